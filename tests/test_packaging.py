@@ -1,0 +1,18 @@
+"""The installed package layout matches DESIGN.md: models/ is importable as paged_jax.models."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+
+
+def test_models_dir_is_installed_as_paged_jax_models():
+    mod = importlib.import_module("paged_jax.models")
+    assert pathlib.Path(mod.__file__).parent.name == "models"
+    root = pathlib.Path(importlib.import_module("paged_jax").__file__).parent.parent
+    assert pathlib.Path(mod.__file__).parent == root / "models"
+
+
+def test_kernels_package_is_importable_on_its_own():
+    mod = importlib.import_module("pallas_kernels")
+    assert pathlib.Path(mod.__file__).parent.name == "pallas_kernels"
