@@ -1,0 +1,161 @@
+"""EngineConfig: the engine's settings, validated once at construction (host side)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "pallas", "pallas_interpret", "reference")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+HASH_ALGOS = ("sha256", "xxhash")
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from `smallest` while below `largest`, then `largest` itself."""
+    buckets = []
+    b = smallest
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; the field names are also the keyword arguments of `LLM(...)`.
+
+    Args:
+        block_size: tokens per KV block.
+        num_kv_blocks: KV blocks in the pool, the null block included. None sizes
+            the pool from kv_cache_memory (or a default, see Runner).
+        kv_cache_memory: KV budget: bytes (int) or a fraction in (0, 1] of the
+            device memory left free after the weights (vLLM's gpu_memory_utilization).
+        max_num_seqs: most requests scheduled in one step.
+        max_num_batched_tokens: token budget of one step (chunked prefill splits
+            longer prompts across steps).
+        max_model_len: longest context (prompt + output). None takes the model's
+            max_position_embeddings.
+        enable_prefix_caching: share full blocks of equal prefixes between requests.
+        preemption_mode: "recompute" or "swap" (KV blocks copied to host memory).
+        scheduling_policy: "fcfs" or "priority" (lower value = served first).
+        attention_backend: "auto" (Pallas on GPU, pure-JAX reference elsewhere),
+            "pallas", "pallas_interpret" (Pallas in interpret mode, for tests) or
+            "reference".
+        dtype: weights and KV dtype: "auto" (bfloat16 on GPU, float32 elsewhere),
+            "float32", "bfloat16" or "float16".
+        seed: engine seed; requests without their own seed draw one from it.
+        hash_algo: prefix-cache block hash, "sha256" or "xxhash".
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | float | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    hash_algo: str = "sha256"
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be {expected}")
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        if (
+            not is_int(self.block_size)
+            or self.block_size < 1
+            or self.block_size & (self.block_size - 1)
+        ):
+            fail("block_size", "a power of two >= 1")
+        if self.num_kv_blocks is not None and (
+            not is_int(self.num_kv_blocks) or self.num_kv_blocks < 2
+        ):
+            fail("num_kv_blocks", "None or an int >= 2 (block 0 is the null block)")
+        if self.kv_cache_memory is not None:
+            m = self.kv_cache_memory
+            if isinstance(m, bool) or not isinstance(m, int | float):
+                fail("kv_cache_memory", "None, bytes (int > 0) or a fraction in (0, 1]")
+            if isinstance(m, float) and not 0.0 < m <= 1.0:
+                fail("kv_cache_memory", "a fraction in (0, 1] when given as a float")
+            if isinstance(m, int) and m <= 0:
+                fail("kv_cache_memory", "a positive number of bytes when given as an int")
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            fail("kv_cache_memory", "None when num_kv_blocks is given (set one of them)")
+        if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
+            fail("max_num_seqs", "an int >= 1")
+        if (
+            not is_int(self.max_num_batched_tokens)
+            or self.max_num_batched_tokens < self.max_num_seqs
+        ):
+            fail("max_num_batched_tokens", f"an int >= max_num_seqs={self.max_num_seqs}")
+        if self.max_model_len is not None and (
+            not is_int(self.max_model_len) or self.max_model_len < 2
+        ):
+            fail("max_model_len", "None or an int >= 2")
+        for name in ("enable_prefix_caching",):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+        for name, allowed in (
+            ("preemption_mode", PREEMPTION_MODES),
+            ("scheduling_policy", SCHEDULING_POLICIES),
+            ("attention_backend", ATTENTION_BACKENDS),
+            ("dtype", DTYPES),
+            ("hash_algo", HASH_ALGOS),
+        ):
+            if getattr(self, name) not in allowed:
+                fail(name, f"one of {allowed}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            fail("seed", "an int in [0, 2**32)")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Block-table width: enough blocks for max_model_len tokens."""
+        if self.max_model_len is None:
+            raise ValueError("EngineConfig.max_model_len=None must be resolved before use")
+        return _cdiv(self.max_model_len, self.block_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded num_tokens sizes: powers of two from 16 up to max_num_batched_tokens."""
+        return _power_of_two_buckets(
+            min(MIN_TOKEN_BUCKET, self.max_num_batched_tokens), self.max_num_batched_tokens
+        )
+
+    @property
+    def seq_buckets(self) -> tuple[int, ...]:
+        """Padded num_seqs sizes: 8, 16, 32, ... up to max_num_seqs."""
+        return _power_of_two_buckets(min(MIN_SEQ_BUCKET, self.max_num_seqs), self.max_num_seqs)
+
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (num_tokens, num_seqs) bucket pair a step can have (num_seqs <= num_tokens)."""
+        shapes = []
+        for t in self.token_buckets:
+            for s in self.seq_buckets:
+                # A step has at least one token per sequence, so S is at most the
+                # bucket that holds T sequences.
+                if s <= t or s == self.seq_buckets[0]:
+                    shapes.append((t, s))
+        return shapes
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"n={n!r} must be <= the largest bucket {buckets[-1]}")

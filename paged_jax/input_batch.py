@@ -1,0 +1,238 @@
+"""InputBatch: persistent numpy buffers packed into a fixed-shape StepInput (host side).
+
+Each running request owns one row of the persistent buffers (its token ids, block
+table and sampling settings). Rows are written when a request is added, appended to
+as it grows, and reused when it leaves; a step only gathers the scheduled rows and
+computes positions / slot mapping with vectorised numpy, then pads everything to the
+step's (num_tokens, num_seqs) bucket so the jitted step never sees a new shape.
+
+    query_start_loc:  0        3    4          9 (= num real tokens) ... padding
+    tokens:           [a a a | b | c c c c c | pad pad ...]
+    sequence a: 3 new tokens at positions seq_len_a-3 .. seq_len_a-1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from paged_jax.config import EngineConfig, bucket_for
+from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
+
+PAD_SLOT_ID = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInput:
+    """Everything one jitted step reads, padded to a (num_tokens, num_seqs) bucket.
+
+    T = padded num_tokens, S = padded num_seqs, W = max_blocks_per_seq, K = stop-id width.
+    """
+
+    token_ids: np.ndarray  # i32[T]
+    positions: np.ndarray  # i32[T]
+    slot_mapping: np.ndarray  # i32[T]; -1 = padding (write dropped)
+    block_tables: np.ndarray  # i32[S, W]; 0 = null block
+    seq_lens: np.ndarray  # i32[S]; 0 = padded sequence
+    query_start_loc: np.ndarray  # i32[S + 1]
+    logits_indices: np.ndarray  # i32[S]; index of each sequence's last scheduled token
+    temperature: np.ndarray  # f32[S]
+    top_k: np.ndarray  # i32[S]
+    top_p: np.ndarray  # f32[S]
+    min_p: np.ndarray  # f32[S]
+    seeds: np.ndarray  # u32[S]
+    counters: np.ndarray  # i32[S]; tokens generated so far per sequence
+    masked_token_ids: np.ndarray  # i32[S, K]; banned this step (min_tokens), -1 = none
+    num_tokens: int  # real (unpadded) tokens
+    num_seqs: int  # real (unpadded) sequences
+
+    @property
+    def bucket(self) -> tuple[int, int]:
+        """The (num_tokens, num_seqs) bucket of this step."""
+        return int(self.token_ids.shape[0]), int(self.seq_lens.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step: which request, where its new tokens start, how many."""
+
+    req_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    num_output_tokens: int
+
+
+class InputBatch:
+    """Persistent per-request rows and the packing of a step's StepInput."""
+
+    def __init__(self, config: EngineConfig, stop_ids_width: int = MAX_MIN_TOKENS_STOP_IDS):
+        self.config = config
+        self.block_size = config.block_size
+        n, w = config.max_num_seqs, config.max_blocks_per_seq
+        self.max_model_len = config.max_model_len
+        self.token_ids = np.zeros((n, config.max_model_len), np.int32)
+        self.num_token_ids = np.zeros(n, np.int32)
+        self.block_tables = np.zeros((n, w), np.int32)
+        self.num_blocks = np.zeros(n, np.int32)
+        self.temperature = np.zeros(n, np.float32)
+        self.top_k = np.zeros(n, np.int32)
+        self.top_p = np.ones(n, np.float32)
+        self.min_p = np.zeros(n, np.float32)
+        self.seeds = np.zeros(n, np.uint32)
+        self.min_tokens = np.zeros(n, np.int32)
+        self.stop_ids = np.full((n, stop_ids_width), -1, np.int32)
+        self.row_of: dict[str, int] = {}
+        self.req_of_row: list[str | None] = [None] * n
+
+    # ----------------------------------------------------------------- rows
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        params: SamplingParams,
+        seed: int,
+        min_tokens_stop_ids: Sequence[int] = (),
+    ) -> None:
+        """Give a (new or resumed) request a row holding its tokens and block table."""
+        assert req_id not in self.row_of, f"request {req_id!r} already has a row: double add"
+        row = self.req_of_row.index(None)
+        self.row_of[req_id] = row
+        self.req_of_row[row] = req_id
+        self.num_token_ids[row] = 0
+        self.append_token_ids(req_id, token_ids)
+        self.num_blocks[row] = 0
+        self.block_tables[row] = 0
+        self.append_block_ids(req_id, block_ids)
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.effective_top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.seeds[row] = seed
+        self.min_tokens[row] = params.min_tokens
+        self.stop_ids[row] = -1
+        if params.min_tokens > 0:
+            ids = list(dict.fromkeys(min_tokens_stop_ids))
+            assert len(ids) <= self.stop_ids.shape[1], "SamplingParams should cap stop ids"
+            self.stop_ids[row, : len(ids)] = ids
+
+    def remove_request(self, req_id: str) -> None:
+        """Free the request's row (its contents are overwritten on reuse)."""
+        row = self.row_of.pop(req_id)
+        self.req_of_row[row] = None
+        self.block_tables[row, : self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+
+    def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None:
+        row = self.row_of[req_id]
+        start = int(self.num_token_ids[row])
+        end = start + len(token_ids)
+        assert end <= self.max_model_len, "scheduler let a request grow past max_model_len"
+        self.token_ids[row, start:end] = token_ids
+        self.num_token_ids[row] = end
+
+    def append_block_ids(self, req_id: str, block_ids: Sequence[int]) -> None:
+        if not block_ids:
+            return
+        row = self.row_of[req_id]
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        assert end <= self.block_tables.shape[1], "block table wider than max_blocks_per_seq"
+        self.block_tables[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    # ----------------------------------------------------------------- step
+    def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInput:
+        """Pack the scheduled sequences, in order, into a bucket-padded StepInput."""
+        cfg = self.config
+        num_seqs = len(seqs)
+        assert 0 < num_seqs <= cfg.max_num_seqs, "scheduler broke the max_num_seqs budget"
+        rows = np.fromiter((self.row_of[s.req_id] for s in seqs), np.int64, num_seqs)
+        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, num_seqs)
+        num_new = np.fromiter((s.num_new_tokens for s in seqs), np.int32, num_seqs)
+        num_out = np.fromiter((s.num_output_tokens for s in seqs), np.int32, num_seqs)
+        num_tokens = int(num_new.sum())
+        assert num_tokens <= cfg.max_num_batched_tokens, "scheduler broke the token budget"
+        t_pad = bucket_for(num_tokens, cfg.token_buckets)
+        s_pad = bucket_for(num_seqs, cfg.seq_buckets)
+
+        cu = np.cumsum(num_new)
+        # Per token: which scheduled sequence it belongs to and its offset in the chunk.
+        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+        offset = np.arange(num_tokens) - np.repeat(cu - num_new, num_new)
+        pos = computed[seq_of_token] + offset
+        row_of_token = rows[seq_of_token]
+
+        token_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
+        token_ids[:num_tokens] = self.token_ids[row_of_token, pos]
+        positions[:num_tokens] = pos
+        block_ids = self.block_tables[row_of_token, pos // self.block_size]
+        assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
+        slot_mapping[:num_tokens] = block_ids * self.block_size + pos % self.block_size
+
+        block_tables = np.zeros((s_pad, self.block_tables.shape[1]), np.int32)
+        block_tables[:num_seqs] = self.block_tables[rows]
+        seq_lens = np.zeros(s_pad, np.int32)
+        seq_lens[:num_seqs] = computed + num_new
+        query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
+        query_start_loc[0] = 0
+        query_start_loc[1 : num_seqs + 1] = cu
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[:num_seqs] = cu - 1
+
+        def padded(buf: np.ndarray, fill) -> np.ndarray:
+            out = np.full((s_pad, *buf.shape[1:]), fill, buf.dtype)
+            out[:num_seqs] = buf[rows]
+            return out
+
+        masked = padded(self.stop_ids, -1)
+        active = np.zeros(s_pad, bool)
+        active[:num_seqs] = num_out < self.min_tokens[rows]
+        masked[~active] = -1
+        counters = np.zeros(s_pad, np.int32)
+        counters[:num_seqs] = num_out
+        return StepInput(
+            token_ids=token_ids,
+            positions=positions,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            logits_indices=logits_indices,
+            temperature=padded(self.temperature, 0.0),
+            top_k=padded(self.top_k, 0),
+            top_p=padded(self.top_p, 1.0),
+            min_p=padded(self.min_p, 0.0),
+            seeds=padded(self.seeds, 0),
+            counters=counters,
+            masked_token_ids=masked,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+
+    def dummy_step_input(self, num_tokens: int, num_seqs: int) -> StepInput:
+        """An all-padding StepInput of one bucket (for warmup): writes and reads nothing."""
+        s, t, w = num_seqs, num_tokens, self.block_tables.shape[1]
+        k = self.stop_ids.shape[1]
+        return StepInput(
+            token_ids=np.zeros(t, np.int32),
+            positions=np.zeros(t, np.int32),
+            slot_mapping=np.full(t, PAD_SLOT_ID, np.int32),
+            block_tables=np.zeros((s, w), np.int32),
+            seq_lens=np.zeros(s, np.int32),
+            query_start_loc=np.zeros(s + 1, np.int32),
+            logits_indices=np.zeros(s, np.int32),
+            temperature=np.zeros(s, np.float32),
+            top_k=np.zeros(s, np.int32),
+            top_p=np.ones(s, np.float32),
+            min_p=np.zeros(s, np.float32),
+            seeds=np.zeros(s, np.uint32),
+            counters=np.zeros(s, np.int32),
+            masked_token_ids=np.full((s, k), -1, np.int32),
+            num_tokens=0,
+            num_seqs=0,
+        )

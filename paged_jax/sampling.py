@@ -1,0 +1,90 @@
+"""Device sampling: greedy, temperature, top-k, top-p, min-p with per-request seeds.
+
+Every row draws from its own PRNG key, fold_in(PRNGKey(seed), num_generated), so a
+request's samples depend only on its seed, its logits and how many tokens it has
+made, never on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.sampling_params import MAX_LOGPROBS
+
+
+class SamplingMetadata(NamedTuple):
+    """Per-row sampling settings, padded to the step's num_seqs bucket S."""
+
+    temperature: jax.Array  # f32[S]; 0 = greedy
+    top_k: jax.Array  # i32[S]; 0 = off
+    top_p: jax.Array  # f32[S]; 1 = off
+    min_p: jax.Array  # f32[S]; 0 = off
+    seeds: jax.Array  # u32[S]
+    counters: jax.Array  # i32[S]; tokens generated so far (the key's fold-in)
+    masked_token_ids: jax.Array  # i32[S, K]; tokens banned this step (-1 = unused); min_tokens
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S]; log-prob of the sampled token under the raw distribution
+    top_token_ids: jax.Array  # i32[S, MAX_LOGPROBS]
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+
+
+def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """Set logits of banned ids to -inf; -1 entries ban nothing."""
+    num_rows, vocab = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], banned.shape)
+    # Unused entries point past the vocabulary and are dropped by the scatter.
+    cols = jnp.where(banned >= 0, banned, vocab)
+    return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def _sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
+    """Sample one token id from f32[V] logits after temperature, top-k, top-p, min-p."""
+    vocab = logits.shape[0]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    order = jnp.argsort(scaled, descending=True, stable=True)  # i32[V]
+    sorted_logits = scaled[order]
+    probs = jax.nn.softmax(sorted_logits)
+    rank = jnp.arange(vocab)
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)
+    # Nucleus: keep the smallest prefix whose mass reaches top_p (the token that
+    # crosses the threshold stays in).
+    mass_before = jnp.cumsum(probs) - probs
+    keep &= mass_before < top_p
+    keep &= probs >= min_p * probs[0]
+    keep = keep.at[0].set(True)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
+    return order[choice].astype(jnp.int32)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+    """Choose the next token of every row.
+
+    Args:
+        logits: f[S, V] logits at each sequence's last scheduled token.
+        meta: per-row settings (padding rows may hold anything finite).
+
+    Returns:
+        SamplerOutput with the sampled ids and their raw log-probabilities, plus the
+        top MAX_LOGPROBS log-probabilities of each row.
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = _ban_tokens(logits, meta.masked_token_ids)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
+        meta.seeds, meta.counters
+    )
+    sampled = jax.vmap(_sample_row)(
+        logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys
+    )
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jnp.where(meta.temperature > 0, sampled, greedy)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
+    return SamplerOutput(token_ids, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)

@@ -1,0 +1,107 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (host side)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+# The device sampler keeps a fixed number of top logprobs per row so its shape is static.
+MAX_LOGPROBS = 20
+# Stop token ids masked while min_tokens is unmet: a fixed width keeps the step's shape static.
+MAX_MIN_TOKENS_STOP_IDS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one request, validated at construction.
+
+    Args:
+        n: number of completions sampled for the prompt (they share its KV blocks).
+        temperature: 0 means greedy; otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 (or -1) disables it.
+        min_p: drop tokens whose probability is below min_p times the top one.
+        seed: per-request seed; the same seed gives the same tokens whatever else
+            is in the batch. None draws one from the engine's seed.
+        max_tokens: most tokens to generate.
+        min_tokens: stop tokens and EOS are masked until this many were generated.
+        stop: strings that end the output (the stop string is not included).
+        stop_token_ids: token ids that end the output (in addition to EOS).
+        ignore_eos: keep generating past EOS.
+        logprobs: return this many top logprobs per generated token (plus the
+            sampled token's own); None returns none.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        def fail(name: str, expected: str) -> None:
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be {expected}")
+
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        # Normalise list/str inputs to tuples so the object stays hashable and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, Sequence):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if self.stop_token_ids is None:
+            object.__setattr__(self, "stop_token_ids", ())
+        elif isinstance(self.stop_token_ids, Sequence):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "an int >= 1")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < 1e6:
+            fail("temperature", "a number >= 0 (0 means greedy)")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
+            fail("top_p", "in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "an int >= 0 (0 or -1 disables it)")
+        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
+            fail("min_p", "in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
+            fail("seed", "None or an int in [0, 2**32)")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "an int >= 1")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "a string or a list of non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative ints")
+        if self.min_tokens > 0 and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS // 2:
+            fail(
+                "stop_token_ids",
+                f"at most {MAX_MIN_TOKENS_STOP_IDS // 2} ids when min_tokens > 0",
+            )
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "a bool")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request takes the argmax token."""
+        return self.temperature == 0.0
+
+    @property
+    def effective_top_k(self) -> int:
+        """top_k with both "disabled" spellings (0 and -1) mapped to 0."""
+        return max(self.top_k, 0)
