@@ -1,0 +1,70 @@
+"""The paged KV cache layout: ``[num_blocks, num_kv_heads, block_size, head_dim]``, K and V apart.
+
+Why block-major with the head axis second:
+
+* Kernel reads. The unit an attention kernel loads is "tokens of one block for one
+  KV head": in this layout that is one contiguous ``block_size * head_dim`` tile, so a
+  gathered page is a single linear run of memory (coalesced, no stride across heads).
+* Block operations. Everything a block owns (all heads, all offsets) is one contiguous
+  ``num_kv_heads * block_size * head_dim`` slab, so copy-on-write and swap-in/out move
+  one run of memory per block, and ``cache[block_ids]`` is a plain leading-axis gather.
+* Slot writes. A token's slot ``block_id * block_size + offset`` maps to
+  ``cache[block_id, :, offset, :]``: ``num_kv_heads`` rows of ``head_dim`` contiguous
+  elements each; writes are few (one token per row) so the stride costs nothing.
+
+The token-major alternative ``[num_blocks, block_size, num_kv_heads, head_dim]`` makes a
+token's write contiguous but turns every kernel read into a strided tile; head-major
+``[num_kv_heads, num_blocks, ...]`` (JAX's GPU op) splits a block across the array, so a
+block copy becomes ``num_kv_heads`` separate runs. Reads dominate, so we pick block-major.
+Block 0 is the null block: zeroed here, padding in every block table, never read into an
+output (kernels mask by position, and zero V before ``p @ V`` so even NaN cannot leak).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+KV_CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
+NULL_BLOCK_ID = 0
+
+
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+) -> tuple[int, int, int, int]:
+    """The shape of one of the K or V caches, in this package's layout."""
+    for name, value in (
+        ("num_blocks", num_blocks),
+        ("block_size", block_size),
+        ("num_kv_heads", num_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def init_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype = jnp.bfloat16,
+) -> tuple[jax.Array, jax.Array]:
+    """Zeroed K and V caches, each ``dtype[num_blocks, num_kv_heads, block_size, head_dim]``.
+
+    Args:
+        num_blocks: Physical blocks, including the null block 0.
+        block_size: Tokens per block.
+        num_kv_heads: KV heads of one attention layer.
+        head_dim: Size of one head.
+        dtype: Floating dtype of the cache (f32, bf16 or f16).
+
+    Returns:
+        ``(k_cache, v_cache)``; callers allocate one pair per layer.
+    """
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    dtype = jnp.dtype(dtype)
+    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+        raise ValueError(f"dtype={dtype} must be one of float32, bfloat16, float16")
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

@@ -1,0 +1,219 @@
+"""Pure-JAX references for the paged kernels, with the kernels' exact signatures.
+
+Gather through the block table, dense masked attention with f32 accumulation, output in
+q's dtype. They define the semantics the Pallas kernels are tested against, and they are
+the engine's fast path where no GPU is present (vectorised, no Python loop over sequences).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.validation import (
+    validate_attention_inputs,
+    validate_copy_blocks,
+    validate_write_kv,
+)
+
+# Tokens attended per lax.map step in the ragged reference: bounds the gathered K/V to
+# chunk * context instead of num_tokens * context.
+_RAGGED_CHUNK = 16
+
+
+def _attend_rows(
+    q,  # f[n, num_q_heads, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    block_rows,  # i32[n, max_blocks_per_seq]: each query row's block table
+    positions,  # i32[n]: each row's position; it sees keys in (pos - window, pos]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):  # -> f32[n, num_q_heads, head_dim]
+    n, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    context = block_rows.shape[1] * block_size
+
+    def gather(cache):  # -> f[n, num_kv_heads, context, head_dim]
+        pages = cache[block_rows]  # f[n, max_blocks, num_kv_heads, block_size, head_dim]
+        pages = pages.transpose(0, 2, 1, 3, 4)
+        return pages.reshape(n, num_kv_heads, context, head_dim)
+
+    key_pos = jnp.arange(context, dtype=jnp.int32)
+    visible = key_pos[None, :] <= positions[:, None]  # bool[n, context]
+    if sliding_window is not None:
+        visible &= key_pos[None, :] > positions[:, None] - sliding_window
+    k = gather(k_cache)
+    # Zero V outside the visible range: a masked probability of 0 times a NaN/inf in an
+    # unused slot (or the null block) would otherwise still poison the output.
+    v = jnp.where(visible[:, None, :, None], gather(v_cache), 0)
+    qg = q.reshape(n, num_kv_heads, group, head_dim)
+    s = jnp.einsum("nhgd,nhkd->nhgk", qg, k, preferred_element_type=jnp.float32) * scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = visible[:, None, None, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)  # rows that see nothing give exactly 0
+    o = jnp.einsum("nhgk,nhkd->nhgd", p, v.astype(jnp.float32))
+    return o.reshape(n, num_q_heads, head_dim)
+
+
+@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
+def paged_attention(
+    q,  # f[num_seqs, num_q_heads, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens,  # i32[num_seqs]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+):  # -> f[num_seqs, num_q_heads, head_dim]
+    """Decode attention (one query per sequence, at position seq_len - 1); see the kernel."""
+    del interpret  # accepted for signature parity with the kernel
+    validate_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    o = _attend_rows(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens - 1,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    return o.astype(q.dtype)
+
+
+def token_seq_positions(
+    query_start_loc,  # i32[num_seqs + 1]
+    seq_lens,  # i32[num_seqs]
+    num_tokens: int,
+):  # -> (i32[num_tokens] seq index, i32[num_tokens] position, bool[num_tokens] valid)
+    """Maps each flat query row to its sequence and its position in that sequence.
+
+    Row t of sequence i (qsl[i] <= t < qsl[i+1]) sits at position
+    seq_lens[i] - (qsl[i+1] - qsl[i]) + (t - qsl[i]): the new tokens are the last ones.
+    Rows at or past qsl[-1] are padding (valid=False, position -1: they see nothing).
+    """
+    num_seqs = seq_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start_loc, t, side="right").astype(jnp.int32) - 1
+    seq = jnp.clip(seq, 0, num_seqs - 1)
+    valid = (t >= query_start_loc[seq]) & (t < query_start_loc[seq + 1])
+    pos = seq_lens[seq] - query_start_loc[seq + 1] + t
+    return seq, jnp.where(valid, pos, -1), valid
+
+
+@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
+def ragged_paged_attention(
+    q,  # f[num_tokens, num_q_heads, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens,  # i32[num_seqs]
+    query_start_loc,  # i32[num_seqs + 1]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+):  # -> f[num_tokens, num_q_heads, head_dim]
+    """Causal attention for a flat batch of prefill chunks and decode tokens; see the kernel."""
+    del interpret
+    validate_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    num_tokens, num_q_heads, head_dim = q.shape
+    seq, pos, _ = token_seq_positions(query_start_loc, seq_lens, num_tokens)
+    chunk = min(_RAGGED_CHUNK, num_tokens)
+    padded = -(-num_tokens // chunk) * chunk
+    pad = padded - num_tokens
+    q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, num_q_heads, head_dim)
+    seq_p = jnp.pad(seq, (0, pad)).reshape(-1, chunk)
+    pos_p = jnp.pad(pos, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+    def one_chunk(args):
+        q_c, seq_c, pos_c = args
+        return _attend_rows(
+            q_c,
+            k_cache,
+            v_cache,
+            block_tables[seq_c],
+            pos_c,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+        )
+
+    o = jax.lax.map(one_chunk, (q_p, seq_p, pos_p))
+    return o.reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
+
+
+def slots_to_indices(slot_mapping, num_blocks: int, block_size: int):  # -> (i32[n], i32[n])
+    """(block_id, offset) per slot; slot -1 maps to block num_blocks (dropped by mode="drop")."""
+    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    return block.astype(jnp.int32), (slot_mapping % block_size).astype(jnp.int32)
+
+
+@jax.jit
+def write_kv(
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    k,  # f[num_tokens, num_kv_heads, head_dim]
+    v,  # f[num_tokens, num_kv_heads, head_dim]
+    slot_mapping,  # i32[num_tokens]; -1 = padding, dropped
+):  # -> (k_cache, v_cache)
+    """Scatters each token's K/V to its slot; in place when the caches are donated."""
+    validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    num_blocks, _, block_size, _ = k_cache.shape
+    block, offset = slots_to_indices(slot_mapping, num_blocks, block_size)
+    # cache[block, :, offset, :] has shape [num_tokens, num_kv_heads, head_dim] (the
+    # advanced indices are split by a slice, so their axis comes first), matching k.
+    k_cache = k_cache.at[block, :, offset, :].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[block, :, offset, :].set(v.astype(v_cache.dtype), mode="drop")
+    return k_cache, v_cache
+
+
+@jax.jit
+def copy_blocks(
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    src_block_ids,  # i32[num_copies]
+    dst_block_ids,  # i32[num_copies]; -1 = padding, dropped
+):  # -> (k_cache, v_cache)
+    """cache[dst[i]] = cache[src[i]] for every i (destinations distinct, sources unchanged)."""
+    validate_copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
+    num_blocks = k_cache.shape[0]
+    dst = jnp.where(dst_block_ids < 0, num_blocks, dst_block_ids)
+    src = jnp.clip(src_block_ids, 0, num_blocks - 1)
+    k_cache = k_cache.at[dst].set(k_cache[src], mode="drop")
+    v_cache = v_cache.at[dst].set(v_cache[src], mode="drop")
+    return k_cache, v_cache
