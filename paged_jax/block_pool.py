@@ -1,0 +1,255 @@
+"""BlockPool: every physical KV block, its ref count, the free queue and the hash cache.
+
+Pure Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from paged_jax.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
+from paged_jax.kv_cache_block import (
+    NULL_BLOCK_ID,
+    BlockId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
+
+__all__ = [
+    "NULL_BLOCK_ID",
+    "BlockId",
+    "BlockPool",
+    "FreeKVCacheBlockQueue",
+    "KVCacheBlock",
+]
+
+
+class BlockPool:
+    """Owns the blocks; hands them out, takes them back, and caches full ones by hash.
+
+    Block 0 is the null block: popped at construction, never handed out, freed,
+    hashed or cached; it pads block tables. Usable capacity is num_blocks - 1.
+
+    Eviction is lazy: a freed hashed block stays in the hash map (and can be hit and
+    revived by ``touch``) until ``get_new_blocks`` pops it for reuse.
+
+    The hash map allows duplicates (no de-duplication: a newly full block keeps its
+    own id even if an equal block is cached), so a key maps to one block or, rarely,
+    to a {block_id: block} dict.
+
+    Args:
+        num_blocks: total blocks including the null block (>= 2).
+        enable_caching: keep a hash -> block map for prefix hits.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+            raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 2 (block 0 is null)")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.cached_block_hash_to_block: dict[
+            BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]
+        ] = {}
+
+    # -- lookup and caching -------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int] = (0,)
+    ) -> list[KVCacheBlock] | None:
+        """One cached block per listed group for this hash, or None if any group misses."""
+        out = []
+        for group_id in kv_cache_group_ids:
+            block = self.lookup(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            out.append(block)
+        return out
+
+    def lookup(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """The first cached block under a group-tagged key, or None (the hot-path lookup)."""
+        entry = self.cached_block_hash_to_block.get(key)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    def cache_full_blocks(
+        self,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        kv_cache_group_id: int = 0,
+    ) -> None:
+        """Hashes blocks[num_cached_blocks:num_full_blocks] and adds them to the cache.
+
+        Args:
+            block_hashes: the request's chained hashes (at least num_full_blocks).
+            blocks: the request's blocks in token order.
+            num_cached_blocks: how many leading blocks are already cached.
+            num_full_blocks: how many leading blocks are full.
+            kv_cache_group_id: the group the blocks belong to.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        assert len(block_hashes) >= num_full_blocks, (
+            "a block is being cached before its hash exists: the request's hasher lags"
+        )
+        cache = self.cached_block_hash_to_block
+        suffix = kv_cache_group_id.to_bytes(4, "big")
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            assert block.block_hash is None, (
+                f"block {block.block_id} is cached twice: num_cached_blocks is stale"
+            )
+            key = block_hashes[i] + suffix
+            block.block_hash = key
+            entry = cache.get(key)
+            if entry is None:
+                cache[key] = block
+            elif type(entry) is KVCacheBlock:
+                cache[key] = {entry.block_id: entry, block.block_id: block}
+            else:
+                entry[block.block_id] = block
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        """Drops a block's hash (it is being reused); keeps any duplicate under the key."""
+        key = block.block_hash
+        block.block_hash = None
+        cache = self.cached_block_hash_to_block
+        entry = cache.get(key)
+        if entry is block:
+            del cache[key]
+        elif entry is not None and type(entry) is not KVCacheBlock:
+            entry.pop(block.block_id, None)
+            if len(entry) == 1:
+                cache[key] = next(iter(entry.values()))
+            elif not entry:
+                del cache[key]
+
+    # -- allocation ---------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pops num_blocks blocks from the head of the free queue, ref_cnt 0 -> 1.
+
+        A popped block that is still cached loses its hash here (lazy eviction).
+
+        Raises:
+            ValueError: if num_blocks exceeds the free blocks (callers check first).
+        """
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
+            raise ValueError(
+                f"num_blocks={num_blocks!r} must be <= num_free_blocks={queue.num_free_blocks}"
+            )
+        blocks = queue.popleft_n(num_blocks)
+        for block in blocks:
+            assert block.ref_cnt == 0, f"free block {block.block_id} has ref_cnt {block.ref_cnt}"
+            if block.block_hash is not None:
+                self._evict_cached_block(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Adds one reference to each block (a prefix hit); revives free ones.
+
+        A block with ref_cnt 0 sits in the free queue; it is unlinked there, so it
+        can no longer be evicted. The null block is skipped.
+        """
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.ref_cnt == 0 and not block.is_null:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drops one reference from each block, in the given (eviction) order.
+
+        Blocks reaching ref_cnt 0 return to the free queue: unhashed ones at the
+        head (reused first), hashed ones at the tail (kept longest, LRU order).
+        Callers pass a request's blocks in reverse so the tail of a chain is
+        evicted before its head. The null block is skipped.
+        """
+        unhashed = []
+        hashed = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than allocated"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    unhashed.append(block)
+                else:
+                    hashed.append(block)
+        if unhashed:
+            self.free_block_queue.prepend_n(unhashed)
+        if hashed:
+            self.free_block_queue.append_n(hashed)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached hash, only when no block is in use.
+
+        Returns:
+            True if the cache was reset; False (nothing changed) if any block is held.
+        """
+        if self.num_blocks - self.free_block_queue.num_free_blocks != 1:
+            return False
+        self.cached_block_hash_to_block = {}
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    # -- accounting ---------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks in the free queue (cached-but-free blocks included)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks (excluding the null block) held by requests."""
+        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+
+    def check_invariants(self) -> None:
+        """Checks the pool's internal consistency; raises AssertionError on a bug.
+
+        Checked: queue links and count; free == blocks with ref_cnt 0 (null excluded)
+        so free + used == num_blocks - 1; the null block is never free, referenced or
+        hashed; the hash map and the blocks' hashes agree both ways.
+        """
+        queue = self.free_block_queue
+        queue.check_links()
+        free_ids = [b.block_id for b in queue.get_all_free_blocks()]
+        if len(set(free_ids)) != len(free_ids):
+            raise AssertionError(f"a block is in the free queue twice: {free_ids}")
+        null = self.null_block
+        if null.block_id != NULL_BLOCK_ID or not null.is_null:
+            raise AssertionError("block 0 is not the null block")
+        if NULL_BLOCK_ID in free_ids or null.block_hash is not None or null.ref_cnt != 0:
+            raise AssertionError("the null block was freed, hashed or referenced")
+        zero_ref = {b.block_id for b in self.blocks[1:] if b.ref_cnt == 0}
+        if zero_ref != set(free_ids):
+            raise AssertionError(
+                f"free queue {sorted(free_ids)} != blocks with ref_cnt 0 {sorted(zero_ref)}"
+            )
+        if any(b.ref_cnt < 0 for b in self.blocks):
+            raise AssertionError("a block has a negative ref_cnt")
+        in_map = {}
+        for key, entry in self.cached_block_hash_to_block.items():
+            group = [entry] if type(entry) is KVCacheBlock else list(entry.values())
+            if not group:
+                raise AssertionError("an empty duplicate set was left in the hash map")
+            for block in group:
+                if block.block_hash != key:
+                    raise AssertionError(f"block {block.block_id} is mapped under a stale hash")
+                in_map[block.block_id] = key
+        hashed = {b.block_id: b.block_hash for b in self.blocks if b.block_hash is not None}
+        if hashed != in_map:
+            raise AssertionError("hashed blocks and the hash map disagree")
+        if not self.enable_caching and hashed:
+            raise AssertionError("a block was hashed with caching disabled")

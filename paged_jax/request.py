@@ -1,0 +1,190 @@
+"""A generation request as the host side sees it: tokens, progress, status, block hashes.
+
+Pure Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from paged_jax.hashing import BlockHash
+
+BlockHasherFn = Callable[["Request"], list[BlockHash]]
+"""Returns the hashes of the request's full blocks not yet in request.block_hashes."""
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request in the scheduler."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    def is_finished(self) -> bool:
+        """True for the four FINISHED_* states (also callable as RequestStatus.is_finished(s))."""
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED_"))
+
+
+def _to_token_id(value: Any, name: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} must be a non-negative int token id, not a bool")
+    try:
+        token_id = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name}={value!r} must be a non-negative int token id") from None
+    if token_id < 0:
+        raise ValueError(f"{name}={value!r} must be a non-negative int token id")
+    return token_id
+
+
+class Request:
+    """One generation request.
+
+    Tokens are the prompt followed by the generated outputs; ``all_token_ids`` is
+    the list the scheduler and the hasher read. ``block_hashes`` holds one chained
+    hash per *full* block and is extended as outputs are appended, so a preempted
+    request keeps hashes over its prompt and outputs (and resumes via prefix hits).
+
+    Hashing needs a block size and an algorithm, which the request does not know
+    by itself: pass ``block_hasher`` (for example a ``paged_jax.hashing.BlockHasher``)
+    or let ``KVCacheManager`` attach its own on first contact
+    (``get_computed_blocks`` / ``allocate_slots``). Until then ``block_hashes`` is empty.
+
+    Args:
+        request_id: unique id (a str).
+        prompt_token_ids: non-empty sequence of non-negative int token ids.
+        sampling_params: opaque to the host block stack; kept for the engine.
+        cache_salt: optional non-empty str mixed into the first block's hash, so
+            requests with different salts never share cached blocks.
+        priority: smaller is served first under a priority policy.
+        arrival_time: seconds (time.time() when None).
+        adapter_id: optional adapter (LoRA) id mixed into every block's hash.
+        block_hasher: optional callable that computes new full-block hashes.
+
+    Raises:
+        ValueError: on an empty prompt, a negative or non-int token id, or a bad
+            request_id / cache_salt / adapter_id.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Iterable[int],
+        sampling_params: Any = None,
+        *,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        adapter_id: int | str | None = None,
+        block_hasher: BlockHasherFn | None = None,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id={request_id!r} must be a str")
+        if isinstance(prompt_token_ids, (str, bytes)):
+            raise ValueError(
+                f"prompt_token_ids={prompt_token_ids!r} must be a sequence of int token ids"
+            )
+        try:
+            ids = [_to_token_id(t, "prompt_token_ids[i]") for t in prompt_token_ids]
+        except TypeError:
+            raise ValueError(
+                f"prompt_token_ids={prompt_token_ids!r} must be a sequence of int token ids"
+            ) from None
+        if not ids:
+            raise ValueError(f"prompt_token_ids={ids!r} must not be empty")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt={cache_salt!r} must be a non-empty str or None")
+        if adapter_id is not None and (
+            isinstance(adapter_id, bool) or not isinstance(adapter_id, (int, str))
+        ):
+            raise ValueError(f"adapter_id={adapter_id!r} must be an int, a str or None")
+
+        self.request_id = request_id
+        self.prompt_token_ids = ids
+        self.sampling_params = sampling_params
+        self.cache_salt = cache_salt
+        self.priority = priority
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.adapter_id = adapter_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_preemptions = 0
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(ids)
+        self.block_hashes: list[BlockHash] = []
+        self._block_hasher: BlockHasherFn | None = None
+        if block_hasher is not None:
+            self.block_hasher = block_hasher
+
+    @property
+    def block_hasher(self) -> BlockHasherFn | None:
+        """The callable that extends block_hashes; settable once (computes hashes now)."""
+        return self._block_hasher
+
+    @block_hasher.setter
+    def block_hasher(self, hasher: BlockHasherFn) -> None:
+        if self._block_hasher is not None:
+            raise ValueError(
+                f"block_hasher={hasher!r} must not replace the request's existing hasher"
+            )
+        if not callable(hasher):
+            raise ValueError(f"block_hasher={hasher!r} must be callable")
+        self._block_hasher = hasher
+        self.block_hashes.extend(hasher(self))
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def is_finished(self) -> bool:
+        """True once the request reached a FINISHED_* status."""
+        return self.status in _FINISHED
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Appends generated token(s) and hashes any block they complete.
+
+        Args:
+            token_ids: one token id or an iterable of them (non-negative ints).
+
+        Raises:
+            ValueError: on a negative or non-int token id (nothing is appended).
+        """
+        if type(token_ids) is int and token_ids >= 0:  # the one-token decode fast path
+            new = [token_ids]
+        elif isinstance(token_ids, Iterable) and not isinstance(token_ids, (str, bytes)):
+            new = [_to_token_id(t, "token_ids[i]") for t in token_ids]
+        else:
+            new = [_to_token_id(token_ids, "token_ids")]
+        self.output_token_ids.extend(new)
+        self.all_token_ids.extend(new)
+        hasher = self._block_hasher
+        if hasher is not None:
+            new_hashes = hasher(self)
+            if new_hashes:
+                self.block_hashes.extend(new_hashes)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})"
+        )

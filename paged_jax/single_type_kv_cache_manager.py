@@ -1,0 +1,176 @@
+"""Per-attention-type block managers: the seam where sliding window etc. plug in.
+
+One manager serves one KV-cache group (layers sharing a block table). This file
+has the shared base and full attention; a sliding-window manager would override
+``find_longest_cache_hit`` (right-to-left scan) and add out-of-window freeing.
+Pure Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paged_jax.block_pool import BlockPool, KVCacheBlock
+from paged_jax.hashing import BlockHash
+from paged_jax.request import Request
+
+
+class SingleTypeKVCacheManager:
+    """Block bookkeeping of one KV-cache group for every running request.
+
+    Args:
+        block_pool: the pool shared by all groups.
+        block_size: tokens per block in this group.
+        kv_cache_group_id: index of this group (part of the cache key).
+        enable_caching: hash newly full blocks into the pool's cache.
+    """
+
+    def __init__(
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        kv_cache_group_id: int = 0,
+        *,
+        enable_caching: bool = True,
+    ) -> None:
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.kv_cache_group_id = kv_cache_group_id
+        self.enable_caching = enable_caching
+        # request id -> blocks in token order (the block table).
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> number of leading blocks already cached (hashed).
+        self.num_cached_block: dict[str, int] = {}
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+    ) -> int:
+        """Blocks that serving num_tokens slots would take out of the free queue.
+
+        Evictable hit blocks (ref_cnt 0, so sitting in the free queue) count too:
+        touching them removes them from the free queue.
+        """
+        held = self.req_to_blocks.get(request_id)
+        num_held = len(held) if held is not None else 0
+        num_required = -(-num_tokens // self.block_size)
+        num_new = num_required - num_held - len(new_computed_blocks)
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return max(num_new, 0) + num_evictable
+
+    def save_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock]
+    ) -> None:
+        """Adopts prefix-hit blocks into a new request's table (adds a ref to each)."""
+        if not new_computed_blocks:
+            return
+        assert request_id not in self.req_to_blocks, (
+            f"request {request_id!r} already holds blocks: hits are only for new requests"
+        )
+        self.block_pool.touch(new_computed_blocks)
+        self.req_to_blocks[request_id] = list(new_computed_blocks)
+        # Hit blocks are cached already; do not hash them again.
+        self.num_cached_block[request_id] = len(new_computed_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Appends fresh blocks so the table covers num_tokens slots; returns them."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_block[request_id] = 0
+        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Caches the request's blocks that are full within its first num_tokens tokens."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block[request_id]
+        num_full = min(num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            request.block_hashes,
+            self.req_to_blocks[request_id],
+            num_cached,
+            num_full,
+            self.kv_cache_group_id,
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def free(self, request_id: str) -> None:
+        """Returns the request's blocks to the pool, tail of the chain first."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """The request's live block list (do not mutate); empty if it holds none."""
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
+        """Leading blocks shared by every running request (0 if unsupported)."""
+        raise NotImplementedError
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> list[KVCacheBlock]:
+        """The longest run of cached blocks usable as this request's prefix.
+
+        Args:
+            block_hashes: the request's chained block hashes.
+            max_length: hit length cap in tokens (the caller applies num_tokens - 1).
+            block_pool: where the cache lives.
+            kv_cache_group_id: the group whose blocks may be hit.
+            block_size: tokens per block.
+
+        Returns:
+            The hit blocks in token order (no ref counts change).
+        """
+        raise NotImplementedError
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full (causal) attention: every token's KV is kept until the request ends."""
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> list[KVCacheBlock]:
+        # Chained hashes: the first miss ends the hit, every later block misses too.
+        max_blocks = min(max_length // block_size, len(block_hashes))
+        suffix = kv_cache_group_id.to_bytes(4, "big")
+        lookup = block_pool.lookup
+        hits = []
+        for i in range(max_blocks):
+            block = lookup(block_hashes[i] + suffix)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
+        """Leading blocks of this request held by all num_running_requests requests."""
+        count = 0
+        for block in self.req_to_blocks.get(request_id, ()):
+            if block.ref_cnt != num_running_requests:
+                break
+            count += 1
+        return count
