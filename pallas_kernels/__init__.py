@@ -1,16 +1,20 @@
 """Paged-attention kernels (Pallas, Triton lowering) and their pure-JAX references.
 
-Imports jax only. Pick an implementation with ``get_attention_ops(name)``; the
-top-level ``write_kv``/``copy_blocks``/``paged_attention``/``ragged_paged_attention``
-are the ``"auto"`` choice's functions' signatures, bound to the references here.
+Imports jax only. The top-level ``paged_attention``, ``ragged_paged_attention``,
+``write_kv`` and ``copy_blocks`` are the Pallas kernels (GPU, or ``interpret=True`` on
+CPU); ``reference`` holds pure-JAX versions with the same signatures. Callers that
+should run anywhere pick through the seam: ``get_attention_ops("auto")``.
 """
 
 from __future__ import annotations
 
 from pallas_kernels import reference
 from pallas_kernels.backend import BACKEND_NAMES, AttentionOps, get_attention_ops
+from pallas_kernels.block_copy import copy_blocks
+from pallas_kernels.decode_attention import paged_attention
+from pallas_kernels.kv_write import write_kv
 from pallas_kernels.layout import KV_CACHE_LAYOUT, NULL_BLOCK_ID, init_kv_cache, kv_cache_shape
-from pallas_kernels.reference import copy_blocks, paged_attention, ragged_paged_attention, write_kv
+from pallas_kernels.ragged_attention import ragged_paged_attention
 
 __all__ = [
     "BACKEND_NAMES",

@@ -27,11 +27,7 @@ class AttentionOps(NamedTuple):
 
 
 def _pallas_ops(interpret: bool) -> AttentionOps:
-    # Imported lazily: the Triton-lowering modules are only needed when asked for.
-    try:
-        from pallas_kernels import block_copy, decode_attention, kv_write, ragged_attention
-    except ImportError as e:  # kernels land after the references
-        raise NotImplementedError(f"the Pallas kernels are not available yet: {e}") from e
+    from pallas_kernels import block_copy, decode_attention, kv_write, ragged_attention
 
     def bind(fn):
         return functools.partial(fn, interpret=True) if interpret else fn

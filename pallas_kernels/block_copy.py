@@ -1,0 +1,90 @@
+"""Block copy for copy-on-write and swap-in: ``cache[dst[i]] = cache[src[i]]``, in place.
+
+Grid ``(num_copies, num_kv_heads)``: a program moves one contiguous
+``[block_size, head_dim]`` tile (one block, one KV head) of K and of V. The caches are
+aliased to the outputs, so the copy is in place when the caller donates them. Padding
+copies use dst -1 (skipped). Destinations must be distinct and must not also be sources
+in the same call (programs run in any order); the block manager's copy-on-write and
+swap-in always copy into freshly allocated blocks. ``reference.copy_blocks`` is the
+XLA fallback (gather, then scatter).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import masked_store, triton_params
+from pallas_kernels.validation import validate_copy_blocks
+
+
+def _copy_blocks_kernel(
+    src_ref,  # i32[num_copies]
+    dst_ref,  # i32[num_copies]
+    k_cache_in_ref,  # aliased to k_cache_ref; unused
+    v_cache_in_ref,  # aliased to v_cache_ref; unused
+    k_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim] (whole cache)
+    v_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+):
+    del k_cache_in_ref, v_cache_in_ref
+    i, head = pl.program_id(0), pl.program_id(1)
+    num_blocks = k_cache_ref.shape[0]
+    src = jnp.clip(src_ref[i], 0, num_blocks - 1)
+    dst = dst_ref[i]
+    keep = dst >= 0
+    dst = jnp.where(keep, dst, 0)
+    tile = k_cache_ref.shape[2:]
+    mask = jnp.broadcast_to(keep, tile)
+    masked_store(k_cache_ref.at[dst, head], k_cache_ref[src, head], mask=mask)
+    masked_store(v_cache_ref.at[dst, head], v_cache_ref[src, head], mask=mask)
+
+
+@partial(jax.jit, static_argnames=("num_warps", "interpret"))
+def copy_blocks(
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    src_block_ids,  # i32[num_copies]
+    dst_block_ids,  # i32[num_copies]; -1 = padding, skipped
+    *,
+    num_warps: int = 2,
+    interpret: bool = False,
+):  # -> (k_cache, v_cache), updated
+    """Copies whole blocks (all heads) from src to dst ids.
+
+    Args:
+        num_warps: Triton compiler param.
+        interpret: Run the Pallas interpreter (CPU tests).
+    """
+    validate_copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size={block_size} and head_dim={head_dim} must be powers of two "
+            "for the Pallas copy_blocks"
+        )
+    num_copies = src_block_ids.shape[0]
+    if num_copies == 0:
+        return k_cache, v_cache
+
+    def whole(shape):
+        zeros = (0,) * len(shape)
+        return pl.BlockSpec(shape, lambda i, h: zeros)
+
+    cache_spec = whole(k_cache.shape)
+    return pl.pallas_call(
+        _copy_blocks_kernel,
+        grid=(num_copies, num_kv_heads),
+        in_specs=[whole((num_copies,)), whole((num_copies,)), cache_spec, cache_spec],
+        out_specs=[cache_spec, cache_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={2: 0, 3: 1},
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="paged_copy_blocks",
+    )(src_block_ids, dst_block_ids, k_cache, v_cache)

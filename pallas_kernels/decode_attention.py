@@ -1,0 +1,116 @@
+"""Decode paged attention: one query token per sequence, split-K (flash-decoding).
+
+Grid ``(num_seqs, num_kv_heads, num_splits)``: each program takes the q heads of one KV
+head of one sequence (padded to >= 16 rows so the scores are one tensor-core dot) and an
+even share of that sequence's visible key range, so a single long sequence still fills
+the GPU. Partial outputs are merged by log-sum-exp in XLA. The query sits at position
+seq_len - 1; rows with seq_len 0 return zeros. Kernel body: ``_attention_kernel.py``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._attention_kernel import (
+    check_tiling,
+    combine_splits,
+    default_num_splits,
+    group_queries,
+    paged_flash_attention,
+    ungroup_output,
+)
+from pallas_kernels.validation import validate_attention_inputs
+
+
+@partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "block_k",
+        "num_splits",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_attention(
+    q,  # f[num_seqs, num_q_heads, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]; 0 (null block) pads
+    seq_lens,  # i32[num_seqs]; 0 = padded row
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_k: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):  # -> f[num_seqs, num_q_heads, head_dim]
+    """Attention of each sequence's newest token over its paged context.
+
+    Args:
+        q: One query token per sequence, at position seq_len - 1.
+        k_cache, v_cache: The paged caches (see layout.py).
+        block_tables: Each sequence's block ids in token order, padded with 0.
+        seq_lens: Context length of each sequence, including the query token.
+        scale: Softmax scale applied to q.k.
+        sliding_window: Keys at positions > p - sliding_window are seen (HF convention).
+        soft_cap: Scores become soft_cap * tanh(score / soft_cap).
+        block_k: Keys per online-softmax step (power of two >= 16; need not be a
+            multiple of block_size).
+        num_splits: Split-K factor; None picks one from the static shapes.
+        num_warps, num_stages: Triton compiler params.
+        interpret: Run the Pallas interpreter (CPU tests).
+
+    Returns:
+        The attention output, in q's dtype.
+    """
+    validate_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    check_tiling(head_dim, block_k=block_k)
+    block_k = max(block_k, 16)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs * num_kv_heads, max_context, block_k)
+    heads = max(16, pl.next_power_of_2(num_q_heads // num_kv_heads))
+    seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+    o, lse = paged_flash_attention(
+        group_queries(q, num_kv_heads, heads, num_seqs),
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        jnp.arange(num_seqs + 1, dtype=jnp.int32),  # one query row per sequence
+        seq_ids,
+        seq_ids,
+        block_q=1,
+        block_k=block_k,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        name="paged_decode_attention",
+    )
+    return ungroup_output(combine_splits(o, lse), num_seqs, num_q_heads, q.dtype)

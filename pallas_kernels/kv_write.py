@@ -1,0 +1,102 @@
+"""KV write by slot mapping: scatters new tokens' K/V into the paged caches, in place.
+
+Grid ``(cdiv(num_tokens, block_t), num_kv_heads)``: a program loads block_t tokens' rows
+of one KV head and stores each to ``cache[slot // block_size, head, slot % block_size]``
+with a masked scatter (slot -1 = padding, not stored). The caches are aliased to the
+outputs (``input_output_aliases``), so the write is in place when the caller donates
+them (the engine's step jit does); without donation XLA first copies the cache. The
+XLA-scatter fallback is ``reference.write_kv`` (also in place under donation).
+"""
+
+from __future__ import annotations
+
+import functools
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels._compat import SQUEEZED, masked_store, triton_params
+from pallas_kernels.validation import validate_write_kv
+
+
+def _write_kv_kernel(
+    slot_ref,  # i32[block_t]
+    k_ref,  # f[block_t, head_dim] (this KV head)
+    v_ref,  # f[block_t, head_dim]
+    k_cache_in_ref,  # aliased to k_cache_ref; unused
+    v_cache_in_ref,  # aliased to v_cache_ref; unused
+    k_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim] (whole cache)
+    v_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    *,
+    block_size: int,
+):
+    del k_cache_in_ref, v_cache_in_ref
+    head = pl.program_id(1)
+    slot = slot_ref[...]
+    keep = slot >= 0
+    slot = jnp.where(keep, slot, 0)  # any in-range address; the store is masked off
+    # All-array indices (no slices): a masked scatter the interpreter can discharge too.
+    shape = k_ref.shape  # (block_t, head_dim)
+    block = jnp.broadcast_to((slot // block_size)[:, None], shape)
+    offset = jnp.broadcast_to((slot % block_size)[:, None], shape)
+    lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask = jnp.broadcast_to(keep[:, None], shape)
+    dst = (block, head, offset, lane)
+    masked_store(k_cache_ref.at[dst], k_ref[...].astype(k_cache_ref.dtype), mask=mask)
+    masked_store(v_cache_ref.at[dst], v_ref[...].astype(v_cache_ref.dtype), mask=mask)
+
+
+@partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret"))
+def write_kv(
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    k,  # f[num_tokens, num_kv_heads, head_dim]
+    v,  # f[num_tokens, num_kv_heads, head_dim]
+    slot_mapping,  # i32[num_tokens]; slot = block_id * block_size + offset; -1 dropped
+    *,
+    block_t: int = 16,
+    num_warps: int = 1,
+    interpret: bool = False,
+):  # -> (k_cache, v_cache), updated
+    """Writes each token's K/V at its slot; slots must be distinct (except -1).
+
+    Args:
+        block_t: Tokens per program (power of two).
+        num_warps: Triton compiler param.
+        interpret: Run the Pallas interpreter (CPU tests).
+    """
+    validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    num_tokens = k.shape[0]
+    if head_dim & (head_dim - 1) or block_t & (block_t - 1):
+        raise ValueError(f"head_dim={head_dim} and block_t={block_t} must be powers of two")
+    padded = pl.cdiv(num_tokens, block_t) * block_t
+    if padded != num_tokens:
+        pad = padded - num_tokens
+        k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
+        v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
+        slot_mapping = jnp.pad(slot_mapping, (0, pad), constant_values=-1)
+    row_spec = pl.BlockSpec((block_t, SQUEEZED, head_dim), lambda t, h: (t, h, 0))
+    cache_spec = pl.BlockSpec(k_cache.shape, lambda t, h: (0, 0, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_write_kv_kernel, block_size=block_size),
+        grid=(padded // block_t, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((block_t,), lambda t, h: (t,)),
+            row_spec,
+            row_spec,
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[cache_spec, cache_spec],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+        ],
+        input_output_aliases={3: 0, 4: 1},
+        compiler_params=triton_params(num_warps, 1),
+        interpret=interpret,
+        name="paged_write_kv",
+    )(slot_mapping, k, v, k_cache, v_cache)
