@@ -1,0 +1,41 @@
+"""Flax NNX decoder models with Hugging Face checkpoint loading (import as paged_jax.models).
+
+model = load_model("path/to/hf_dir", dtype="bfloat16")
+logits = model(input_ids)                                  # dense, f32[B, L, V]
+kv_caches = model.init_kv_caches(num_blocks, block_size)
+logits, kv_caches = model.forward_paged(token_ids, positions, kv_caches, attn_metadata)
+"""
+
+from __future__ import annotations
+
+from paged_jax.models.attention import AttentionMetadata, KVCache
+from paged_jax.models.checkpoint import load_model_from_orbax, save_params
+from paged_jax.models.config import ModelConfig, RopeConfig
+from paged_jax.models.decoder import CausalLM
+from paged_jax.models.gpt2 import GPT2LMHeadModel
+from paged_jax.models.llama import LlamaForCausalLM
+from paged_jax.models.loader import load_config, load_model
+from paged_jax.models.mistral import MistralForCausalLM
+from paged_jax.models.opt import OPTForCausalLM
+from paged_jax.models.qwen2 import Qwen2ForCausalLM
+from paged_jax.models.registry import MODEL_CLASSES, model_class_for, supported_architectures
+
+__all__ = [
+    "MODEL_CLASSES",
+    "AttentionMetadata",
+    "CausalLM",
+    "GPT2LMHeadModel",
+    "KVCache",
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "ModelConfig",
+    "OPTForCausalLM",
+    "Qwen2ForCausalLM",
+    "RopeConfig",
+    "load_config",
+    "load_model",
+    "load_model_from_orbax",
+    "model_class_for",
+    "save_params",
+    "supported_architectures",
+]

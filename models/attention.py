@@ -1,0 +1,139 @@
+"""Multi-head (GQA) self-attention with a dense causal path and a paged-KV-cache path.
+
+The dense path is the parity oracle (no cache, equal-length rows); the paged path writes
+the new tokens' K/V by slot mapping and runs ragged paged attention from pallas_kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.layers import apply_rotary, linear
+
+KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache) of one layer; layout is the kernels'
+
+
+class AttentionMetadata(NamedTuple):
+    """Where the new tokens of one paged step go and what they attend to (a pytree).
+
+    Shapes are fixed per bucket: T tokens (padded), S sequences (padded), W block-table width.
+
+    Attributes:
+        slot_mapping: i32[T] cache slot (block_id * block_size + offset) of each token; -1
+            for padding rows, whose K/V are dropped.
+        block_tables: i32[S, W] block ids of each sequence in token order; 0 (null block) pads.
+        seq_lens: i32[S] context length of each sequence including its new tokens; 0 pads.
+        query_start_loc: i32[S + 1] offsets of each sequence's new tokens in the token rows.
+        logits_indices: i32[S] token row whose logits are returned for each sequence
+            (usually query_start_loc[1:] - 1); any valid row for padding sequences.
+    """
+
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    query_start_loc: jax.Array
+    logits_indices: jax.Array
+
+
+def causal_attention(
+    q: jax.Array,  # f[batch, seq, num_heads, head_dim]
+    k: jax.Array,  # f[batch, seq, num_kv_heads, head_dim]
+    v: jax.Array,  # f[batch, seq, num_kv_heads, head_dim]
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+) -> jax.Array:  # f[batch, seq, num_heads, head_dim]
+    """Dense causal attention over full rows, GQA by grouping query heads per KV head.
+
+    Query i sees keys j with j <= i and, with a window, i - j < sliding_window.
+    """
+    batch, seq, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    q = q.reshape(batch, seq, num_kv_heads, group, head_dim)
+    scores = jnp.einsum(
+        "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
+    )  # f32[batch, kv_heads, group, seq_q, seq_k]
+    q_pos = jnp.arange(seq)[:, None]
+    k_pos = jnp.arange(seq)[None, :]
+    visible = k_pos <= q_pos  # bool[seq_q, seq_k]
+    if sliding_window is not None:
+        visible &= q_pos - k_pos < sliding_window
+    scores = jnp.where(visible, scores * scale, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)  # f[batch, seq, kv_heads, group, head_dim]
+    return out.reshape(batch, seq, num_heads, head_dim)
+
+
+class Attention(nnx.Module):
+    """q/k/v/o projections, optional rotary embedding, dense or paged attention core.
+
+    Params: q_proj, k_proj, v_proj (kernel f[hidden, heads * head_dim]), o_proj.
+    """
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, use_rope: bool, rngs: nnx.Rngs):
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.sliding_window = config.layer_sliding_window(layer_idx)
+        self.rope = config.rope if use_rope else None
+        hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        self.q_proj = linear(hidden, q_dim, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.k_proj = linear(hidden, kv_dim, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.v_proj = linear(hidden, kv_dim, bias=config.qkv_bias, config=config, rngs=rngs)
+        self.o_proj = linear(q_dim, hidden, bias=config.out_bias, config=config, rngs=rngs)
+
+    def _qkv(
+        self,
+        x: jax.Array,  # f[..., tokens, hidden]
+        positions: jax.Array,  # i32[..., tokens]
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f[..., tokens, heads, head_dim] each
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.rope is not None:
+            q = apply_rotary(q, positions, self.rope)
+            k = apply_rotary(k, positions, self.rope)
+        return q, k, v
+
+    def __call__(
+        self,
+        x: jax.Array,  # f[batch, seq, hidden]
+        positions: jax.Array,  # i32[batch, seq]
+    ) -> jax.Array:  # f[batch, seq, hidden]
+        """Dense causal self-attention over whole rows."""
+        q, k, v = self._qkv(x, positions)
+        out = causal_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(*x.shape[:-1], self.num_heads * self.head_dim))
+
+    def forward_paged(
+        self,
+        x: jax.Array,  # f[num_tokens, hidden]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        ops: Any,  # pallas_kernels.AttentionOps
+    ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
+        """Writes this step's K/V into the paged cache, then ragged paged attention."""
+        q, k, v = self._qkv(x, positions)
+        k_cache, v_cache = ops.write_kv(kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping)
+        out = ops.ragged_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn_metadata.block_tables,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+        )  # f[num_tokens, num_heads, head_dim]
+        out = self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
+        return out, (k_cache, v_cache)

@@ -1,0 +1,259 @@
+"""The decoder-only transformer every family instantiates, with its dense and paged forwards.
+
+Families differ in class attributes (norm, MLP, rotary vs learned positions) and in how
+they read config.json and name their weights; the forwards live here, once.
+
+    embed_tokens [-> project_in] [+ embed_positions]
+      -> layers (pre-norm: x + attn(norm(x)), x + mlp(norm(x)); post-norm: norm(x + attn(x)) ...)
+      -> [final_norm] [-> project_out] -> lm_head (or the tied embedding) -> f32 logits
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.layers import GatedMLP, RMSNorm, linear
+
+
+class DecoderLayer(nnx.Module):
+    """Self-attention then MLP, each with a residual and a norm (pre- or post-)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        norm_cls: type[nnx.Module],
+        mlp_cls: type[nnx.Module],
+        use_rope: bool,
+        rngs: nnx.Rngs,
+    ):
+        self.pre_norm = config.pre_norm
+        self.attn_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
+        self.attn = Attention(config, layer_idx, use_rope=use_rope, rngs=rngs)
+        self.mlp_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
+        self.mlp = mlp_cls(config, rngs=rngs)
+
+    def _apply(
+        self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
+    ) -> tuple[jax.Array, Any]:  # f[..., hidden], whatever `attend` returns second
+        h, extra = attend(self.attn_norm(x) if self.pre_norm else x)
+        x = x + h
+        if not self.pre_norm:
+            x = self.attn_norm(x)
+        x = x + self.mlp(self.mlp_norm(x) if self.pre_norm else x)
+        if not self.pre_norm:
+            x = self.mlp_norm(x)
+        return x, extra
+
+    def __call__(
+        self,
+        x: jax.Array,  # f[batch, seq, hidden]
+        positions: jax.Array,  # i32[batch, seq]
+    ) -> jax.Array:  # f[batch, seq, hidden]
+        """Dense causal forward."""
+        x, _ = self._apply(x, lambda h: (self.attn(h, positions), None))
+        return x
+
+    def forward_paged(
+        self,
+        x: jax.Array,  # f[num_tokens, hidden]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        ops: Any,
+    ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
+        """Paged forward: attention reads and writes this layer's KV cache."""
+        return self._apply(
+            x, lambda h: self.attn.forward_paged(h, positions, kv_cache, attn_metadata, ops)
+        )
+
+
+class CausalLM(nnx.Module):
+    """A decoder-only language model; subclasses fill in the family hooks.
+
+    Attributes:
+        config: the uniform ModelConfig.
+        attention_backend: pallas_kernels backend name of the paged path ("auto",
+            "pallas", "pallas_interpret", "reference"); static under jit.
+    """
+
+    model_type: ClassVar[str]
+    architectures: ClassVar[tuple[str, ...]]
+    norm_cls: ClassVar[type[nnx.Module]] = RMSNorm
+    mlp_cls: ClassVar[type[nnx.Module]] = GatedMLP
+    use_rope: ClassVar[bool] = True
+    # Learned absolute positions are looked up at position + offset (OPT: 2); None: no table.
+    position_offset: ClassVar[int | None] = None
+    # Prefix of the base model's weights inside a *ForCausalLM checkpoint ("model.").
+    hf_base_prefix: ClassVar[str] = "model."
+    # Regexes of checkpoint keys that are buffers or duplicates, never parameters.
+    hf_ignored_keys: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attention_backend: str = "auto"):
+        if config.model_type != self.model_type:
+            raise ValueError(
+                f"config.model_type={config.model_type!r} must be {self.model_type!r} "
+                f"for {type(self).__name__}"
+            )
+        self.config = config
+        self.attention_backend = attention_backend
+        dtype, hidden = config.dtype, config.hidden_size
+        embed_dim = config.word_embed_proj_dim or hidden
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, embed_dim, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        # Optional submodules are assigned once, as a module or None (NNX fixes an
+        # attribute's data/static status at its first assignment).
+        learned = self.position_offset is not None
+        self.embed_positions = (
+            nnx.Embed(
+                config.max_position_embeddings + (self.position_offset or 0),
+                hidden,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            )
+            if learned
+            else None
+        )
+        projected = embed_dim != hidden
+        self.project_in = (
+            linear(embed_dim, hidden, bias=False, config=config, rngs=rngs) if projected else None
+        )
+        self.project_out = (
+            linear(hidden, embed_dim, bias=False, config=config, rngs=rngs) if projected else None
+        )
+        self.layers = nnx.List(
+            [
+                DecoderLayer(
+                    config,
+                    i,
+                    norm_cls=self.norm_cls,
+                    mlp_cls=self.mlp_cls,
+                    use_rope=self.use_rope,
+                    rngs=rngs,
+                )
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.final_norm = (
+            self.norm_cls(hidden, eps=config.norm_eps, dtype=dtype) if config.final_norm else None
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else linear(embed_dim, config.vocab_size, bias=False, config=config, rngs=rngs)
+        )
+
+    # -- family hooks -------------------------------------------------------------------
+
+    @classmethod
+    def config_from_hf(
+        cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
+    ) -> ModelConfig:
+        """Translates config.json (and generation_config.json) into a ModelConfig."""
+        raise NotImplementedError
+
+    @classmethod
+    def weight_rules(cls, config: ModelConfig) -> Sequence[Any]:
+        """The HF-name -> param-path table (a list of weights.WeightRule) for `config`."""
+        raise NotImplementedError
+
+    # -- forwards -----------------------------------------------------------------------
+
+    def _embed(
+        self,
+        token_ids: jax.Array,  # i32[...]
+        positions: jax.Array,  # i32[...]
+    ) -> jax.Array:  # f[..., hidden]
+        x = self.embed_tokens(token_ids)
+        if self.project_in is not None:
+            x = self.project_in(x)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions + self.position_offset)
+        return x
+
+    def _logits(self, x: jax.Array) -> jax.Array:  # f[..., hidden] -> f32[..., vocab]
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)
+        if self.lm_head is None:
+            logits = jnp.einsum("...e,ve->...v", x, self.embed_tokens.embedding[...])
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array) -> jax.Array:  # i32[batch, seq] -> f32[b, s, vocab]
+        """Dense causal forward without a cache (every row starts at position 0)."""
+        batch, seq = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+        x = self._embed(input_ids, positions)
+        for layer in self.layers:
+            x = layer(x, positions)
+        return self._logits(x)
+
+    def forward_paged(
+        self,
+        token_ids: jax.Array,  # i32[num_tokens]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_caches: Sequence[KVCache],  # one (k_cache, v_cache) per layer
+        attn_metadata: AttentionMetadata,
+        *,
+        attention_backend: str | None = None,
+    ) -> tuple[jax.Array, list[KVCache]]:  # f32[num_seqs, vocab], updated caches
+        """One engine step over a flat, padded batch of new tokens and a paged KV cache.
+
+        Args:
+            token_ids: new tokens of all sequences, back to back; padding rows past
+                attn_metadata.query_start_loc[-1] may hold any id.
+            positions: position of each token in its sequence; 0 for padding rows.
+            kv_caches: per layer (k_cache, v_cache) from `init_kv_caches`; donate them.
+            attn_metadata: slot mapping, block tables, lengths and logits rows.
+            attention_backend: overrides `self.attention_backend`; must be static.
+
+        Returns:
+            Logits at attn_metadata.logits_indices and the updated caches.
+        """
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {len(self.layers)}")
+        ops = pallas_kernels.get_attention_ops(attention_backend or self.attention_backend)
+        x = self._embed(token_ids, positions)
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, kv_cache = layer.forward_paged(x, positions, kv_cache, attn_metadata, ops)
+            new_caches.append(kv_cache)
+        return self._logits(x[attn_metadata.logits_indices]), new_caches
+
+    # -- KV cache -----------------------------------------------------------------------
+
+    def _init_layer_cache(self, num_blocks: int, block_size: int, dtype: Any) -> KVCache:
+        config = self.config
+        return pallas_kernels.init_kv_cache(
+            num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype
+        )
+
+    def init_kv_caches(self, num_blocks: int, block_size: int, dtype: Any = None) -> list[KVCache]:
+        """Zeroed paged KV caches, one (k_cache, v_cache) per layer (kernels' layout)."""
+        dtype = jnp.dtype(dtype or self.config.dtype)
+        return [
+            self._init_layer_cache(num_blocks, block_size, dtype)
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    def kv_bytes_per_block(self, block_size: int, dtype: Any = None) -> int:
+        """Device bytes one block takes across all layers (K and V), in the kernels' layout."""
+        dtype = jnp.dtype(dtype or self.config.dtype)
+        shapes = jax.eval_shape(lambda: self._init_layer_cache(1, block_size, dtype))
+        per_layer = sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
+        return per_layer * self.config.num_hidden_layers

@@ -1,0 +1,129 @@
+"""Building blocks shared by every family: norms, rotary embedding, MLPs, linear layers.
+
+Norms and the rotary angles run in float32 and cast back to the activation dtype, which is
+how the Hugging Face implementations behave in bf16/f16.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from paged_jax.models.config import ModelConfig, RopeConfig
+
+
+def linear(
+    in_features: int, out_features: int, *, bias: bool, config: ModelConfig, rngs: nnx.Rngs
+) -> nnx.Linear:
+    """An nnx.Linear (kernel f[in, out]) in the config's dtype."""
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=bias,
+        dtype=config.dtype,
+        param_dtype=config.dtype,
+        rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm: x / rms(x) * scale, the statistics in float32.
+
+    Params: scale f[dim].
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        return self.scale[...] * normed
+
+
+class LayerNorm(nnx.Module):
+    """Mean/variance LayerNorm with affine scale and bias, the statistics in float32.
+
+    Params: scale f[dim], bias f[dim].
+    """
+
+    def __init__(self, dim: int, *, eps: float, dtype: str):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), dtype=dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), dtype=dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        normed = (x32 - mean) * jax.lax.rsqrt(variance + self.eps)
+        out = normed * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return out.astype(x.dtype)
+
+
+def apply_rotary(
+    x: jax.Array,  # f[..., num_tokens, num_heads, head_dim]
+    positions: jax.Array,  # i32[..., num_tokens]
+    rope: RopeConfig,
+) -> jax.Array:  # f[..., num_tokens, num_heads, head_dim]
+    """Rotates (first half, second half) pairs of each head by position * inv_freq.
+
+    This is the "rotate half" layout that Hugging Face Llama-style checkpoints are stored in.
+    """
+    head_dim = x.shape[-1]
+    inv_freq = jnp.asarray(rope.inv_freq(head_dim))  # f32[head_dim // 2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[..., num_tokens, half]
+    angles = jnp.concatenate([angles, angles], axis=-1)[..., None, :]  # [..., T, 1, head_dim]
+    cos = jnp.cos(angles).astype(x.dtype)
+    sin = jnp.sin(angles).astype(x.dtype)
+    first, second = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-second, first], axis=-1)
+    return x * cos + rotated * sin
+
+
+def activation(name: str):
+    """The elementwise activation called `name` in Hugging Face configs."""
+    table = {
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+        "relu": jax.nn.relu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    }
+    if name not in table:
+        raise ValueError(f"hidden_act={name!r} is not supported; supported: {sorted(table)}")
+    return table[name]
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate(x)) * up(x)): the Llama/Qwen2/Mistral feed-forward."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.hidden_act = config.hidden_act
+        activation(self.hidden_act)  # fail at construction, not at the first trace
+        self.gate_proj = linear(d, f, bias=bias, config=config, rngs=rngs)
+        self.up_proj = linear(d, f, bias=bias, config=config, rngs=rngs)
+        self.down_proj = linear(f, d, bias=bias, config=config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., hidden] -> f[..., hidden]
+        act = activation(self.hidden_act)
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLP(nnx.Module):
+    """fc_out(act(fc_in(x))): the GPT-2/OPT feed-forward."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.hidden_act = config.hidden_act
+        activation(self.hidden_act)  # fail at construction, not at the first trace
+        self.fc_in = linear(d, f, bias=bias, config=config, rngs=rngs)
+        self.fc_out = linear(f, d, bias=bias, config=config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., hidden] -> f[..., hidden]
+        return self.fc_out(activation(self.hidden_act)(self.fc_in(x)))

@@ -1,0 +1,174 @@
+"""load_model: a Hugging Face checkpoint directory -> a Flax NNX model, checked before built.
+
+config.json (+ generation_config.json) -> registry -> family.config_from_hf -> ModelConfig
+*.safetensors headers -> key set and every shape checked against family.weight_rules
+-> tensors converted (transpose / split / cast) -> nnx.merge into the abstract model
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.models.config import ModelConfig, canonical_dtype
+from paged_jax.models.decoder import CausalLM
+from paged_jax.models.registry import model_class_for
+from paged_jax.models.safetensors_io import SafetensorsCheckpoint
+from paged_jax.models.weights import WeightRule
+
+
+def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, generation_config.json or {}) of a checkpoint directory.
+
+    Raises:
+        FileNotFoundError: naming the path when config.json is missing.
+    """
+    path = pathlib.Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(
+            f"no config.json in {path} (expected a Hugging Face model directory)"
+        )
+    generation_file = path / "generation_config.json"
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    return json.loads(config_file.read_text()), generation
+
+
+def load_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+    """The ModelConfig of a checkpoint directory, without reading any weights."""
+    hf, generation = read_hf_config(path)
+    return model_class_for(hf).config_from_hf(hf, generation, canonical_dtype(dtype))
+
+
+def _canonical_names(
+    keys: Sequence[str], cls: type[CausalLM], config: ModelConfig
+) -> tuple[dict[str, str], list[str]]:
+    """Maps table names to checkpoint keys; returns (name -> key, ignored keys).
+
+    A checkpoint saved from the base model (LlamaModel, GPT2Model, OPTModel) lacks the
+    *ForCausalLM prefix; it gets it here. Buffers and a tied duplicate lm_head are ignored.
+    """
+    ignored_patterns = list(cls.hf_ignored_keys)
+    if config.tie_word_embeddings:
+        ignored_patterns.append(r"^lm_head\.weight$")
+    prefix = cls.hf_base_prefix
+    has_prefix = any(key.startswith(prefix) for key in keys)
+    names, ignored = {}, []
+    for key in keys:
+        if any(re.search(pattern, key) for pattern in ignored_patterns):
+            ignored.append(key)
+            continue
+        name = key if has_prefix or key.startswith("lm_head.") else prefix + key
+        names[name] = key
+    return names, ignored
+
+
+def check_checkpoint(
+    rules: Sequence[WeightRule], shapes: Mapping[str, tuple[int, ...]], source: str
+) -> None:
+    """Checks that `shapes` (table name -> checkpoint shape) is exactly what `rules` need.
+
+    Raises:
+        ValueError: listing every missing key, unexpected key and shape mismatch at once.
+    """
+    expected = {rule.hf_name: rule.hf_shape for rule in rules}
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
+    mismatched = [
+        f"{name}: checkpoint {tuple(shapes[name])}, expected {expected[name]}"
+        for name in sorted(set(expected) & set(shapes))
+        if tuple(shapes[name]) != tuple(expected[name])
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys ({len(unexpected)}): {unexpected}")
+    if mismatched:
+        problems.append(f"shape mismatches ({len(mismatched)}): {mismatched}")
+    if problems:
+        raise ValueError(f"checkpoint {source} does not match the model: " + "; ".join(problems))
+
+
+def abstract_model(
+    cls: type[CausalLM], config: ModelConfig, attention_backend: str
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of ShapeDtypeStructs) of the model, allocating nothing."""
+    model = nnx.eval_shape(
+        lambda: cls(config, rngs=nnx.Rngs(0), attention_backend=attention_backend)
+    )
+    return nnx.split(model)
+
+
+def fill_params(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    rules: Sequence[WeightRule],
+    read: Callable[[str], np.ndarray],
+    dtype: str,
+) -> CausalLM:
+    """Converts each checkpoint tensor by its rules into the abstract state and merges."""
+    expected_paths = {path for path, _ in nnx.to_flat_state(state)}
+    table_paths = [rule.param_path for rule in rules]
+    assert set(table_paths) == expected_paths and len(table_paths) == len(expected_paths), (
+        "the weight table does not cover the model's params one-to-one: a bug in "
+        f"weight_rules (table only: {sorted(set(table_paths) - expected_paths, key=str)}, "
+        f"model only: {sorted(expected_paths - set(table_paths), key=str)})"
+    )
+    shapes = {path: var.get_value().shape for path, var in nnx.to_flat_state(state)}
+    by_name: dict[str, list[WeightRule]] = {}
+    for rule in rules:
+        by_name.setdefault(rule.hf_name, []).append(rule)
+    pure: dict[Any, Any] = {}
+    for name, name_rules in by_name.items():
+        array = read(name)
+        for rule in name_rules:
+            value = np.asarray(rule.transform(array))
+            assert value.shape == shapes[rule.param_path], f"bad transform for {name}"
+            node = pure
+            for part in rule.param_path[:-1]:
+                node = node.setdefault(part, {})
+            node[rule.param_path[-1]] = jnp.asarray(value, dtype=dtype)
+    nnx.replace_by_pure_dict(state, pure)
+    return nnx.merge(graphdef, state)
+
+
+def load_model(
+    path: str | pathlib.Path, dtype: str = "float32", *, attention_backend: str = "auto"
+) -> CausalLM:
+    """Loads a Hugging Face checkpoint directory (config.json + *.safetensors).
+
+    Args:
+        path: directory with config.json, optional generation_config.json, and
+            model.safetensors or sharded files with model.safetensors.index.json.
+        dtype: "float32", "bfloat16" or "float16": params and activations.
+        attention_backend: pallas_kernels backend of the paged forward.
+
+    Returns:
+        The model; `model(input_ids)` is the dense forward, `model.config` its ModelConfig.
+
+    Raises:
+        FileNotFoundError: no config.json or no safetensors files.
+        ValueError: unsupported architecture or dtype; checkpoint keys or shapes that
+            do not match (all problems in one message).
+    """
+    path = pathlib.Path(path)
+    dtype = canonical_dtype(dtype)
+    hf, generation = read_hf_config(path)
+    cls = model_class_for(hf)
+    config = cls.config_from_hf(hf, generation, dtype)
+    rules = cls.weight_rules(config)
+    checkpoint = SafetensorsCheckpoint(path)
+    names, _ = _canonical_names(list(checkpoint.shapes), cls, config)
+    check_checkpoint(
+        rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
+    )
+    graphdef, state = abstract_model(cls, config, attention_backend)
+    return fill_params(graphdef, state, rules, lambda name: checkpoint.read(names[name]), dtype)

@@ -1,0 +1,70 @@
+"""Qwen2: the Llama layout with q/k/v biases (no output bias) and optional per-layer windows.
+
+Weight table: as Llama's (see paged_jax.models.llama), plus
+self_attn.{q,k,v}_proj.bias -> layers.i.attn.{q,k,v}_proj.bias.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from paged_jax.models.config import ModelConfig
+from paged_jax.models.decoder import CausalLM
+from paged_jax.models.llama import LLAMA_DEFAULTS, llama_config, llama_weight_rules
+from paged_jax.models.weights import WeightRule
+
+QWEN2_DEFAULTS: dict[str, Any] = dict(
+    LLAMA_DEFAULTS,
+    model_type="qwen2",
+    vocab_size=151936,
+    intermediate_size=22016,
+    max_position_embeddings=32768,
+    use_sliding_window=False,
+    sliding_window=4096,
+    max_window_layers=28,
+)
+
+
+def qwen2_layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window): windows only with use_sliding_window, on layers >= max_window_layers."""
+    get = {**QWEN2_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}.get
+    window = get("sliding_window") if get("use_sliding_window") else None
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention"
+        if window is not None and i >= get("max_window_layers")
+        else "full_attention"
+        for i in range(num_layers)
+    ]
+    if "sliding_attention" not in layer_types:
+        window = None
+    return tuple(layer_types), window
+
+
+class Qwen2ForCausalLM(CausalLM):
+    """Qwen2 / Qwen2.5 decoder (Qwen2ForCausalLM checkpoints)."""
+
+    model_type = "qwen2"
+    architectures = ("Qwen2ForCausalLM",)
+
+    @classmethod
+    def config_from_hf(
+        cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
+    ) -> ModelConfig:
+        num_layers = hf.get("num_hidden_layers") or QWEN2_DEFAULTS["num_hidden_layers"]
+        layer_types, window = qwen2_layer_types(hf, num_layers)
+        return llama_config(
+            hf,
+            generation,
+            dtype,
+            defaults=QWEN2_DEFAULTS,
+            qkv_bias=True,
+            out_bias=False,
+            mlp_bias=False,
+            sliding_window=window,
+            layer_types=layer_types,
+        )
+
+    @classmethod
+    def weight_rules(cls, config: ModelConfig) -> list[WeightRule]:
+        return llama_weight_rules(config)

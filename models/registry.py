@@ -1,0 +1,49 @@
+"""Picks the model class for a config.json by model_type (or, failing that, architectures)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from paged_jax.models.decoder import CausalLM
+from paged_jax.models.gpt2 import GPT2LMHeadModel
+from paged_jax.models.llama import LlamaForCausalLM
+from paged_jax.models.mistral import MistralForCausalLM
+from paged_jax.models.opt import OPTForCausalLM
+from paged_jax.models.qwen2 import Qwen2ForCausalLM
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {
+    cls.model_type: cls
+    for cls in (
+        LlamaForCausalLM,
+        Qwen2ForCausalLM,
+        MistralForCausalLM,
+        GPT2LMHeadModel,
+        OPTForCausalLM,
+    )
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names (config.json "architectures") that load_model accepts."""
+    return [arch for cls in MODEL_CLASSES.values() for arch in cls.architectures]
+
+
+def model_class_for(hf_config: Mapping[str, Any]) -> type[CausalLM]:
+    """The CausalLM subclass for a Hugging Face config dict.
+
+    Raises:
+        ValueError: naming the architecture and listing the supported ones.
+    """
+    model_type = hf_config.get("model_type")
+    if model_type in MODEL_CLASSES:
+        return MODEL_CLASSES[model_type]
+    architectures = list(hf_config.get("architectures") or [])
+    for cls in MODEL_CLASSES.values():
+        if set(architectures) & set(cls.architectures):
+            return cls
+    raise ValueError(
+        f"unsupported architecture: model_type={model_type!r}, architectures={architectures!r}; "
+        f"supported model types: {sorted(MODEL_CLASSES)} "
+        f"(architectures {supported_architectures()})"
+    )
