@@ -163,7 +163,9 @@ class BlockPool:
         """
         remove = self.free_block_queue.remove
         for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
+            if block.ref_cnt == 0:
+                if block.is_null:
+                    continue  # padding, not a reference: its ref_cnt stays 0
                 remove(block)
             block.ref_cnt += 1
 

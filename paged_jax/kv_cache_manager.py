@@ -232,10 +232,23 @@ class KVCacheManager:
         groups = self.coordinator.get_blocks(_request_id(request))
         return KVCacheBlocks(tuple(tuple(g) for g in groups))
 
-    def get_block_ids(self, request: Request | str) -> tuple[list[int], ...]:
-        """The request's block table per group, e.g. ``([1, 2, 3],)``."""
+    def get_block_ids(self, request: Request | str) -> list[int]:
+        """The request's block table (block ids in token order), e.g. ``[1, 2, 3]``.
+
+        Unlike vLLM (one list per group) this is the single group's flat list,
+        which is what the scheduler and the input batch consume; use
+        get_block_ids_per_group for the per-group form.
+        """
+        return [b.block_id for b in self.coordinator.manager.get_blocks(_request_id(request))]
+
+    def get_block_ids_per_group(self, request: Request | str) -> tuple[list[int], ...]:
+        """The request's block table per KV-cache group, e.g. ``([1, 2, 3],)``."""
         groups = self.coordinator.get_blocks(_request_id(request))
         return tuple([b.block_id for b in g] for g in groups)
+
+    def get_num_blocks(self, request: Request | str) -> int:
+        """Number of blocks in the request's table (0 if it holds none)."""
+        return len(self.coordinator.manager.get_blocks(_request_id(request)))
 
     def get_num_common_prefix_blocks(
         self, request: Request | str, num_running_requests: int
