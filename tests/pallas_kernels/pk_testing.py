@@ -1,0 +1,133 @@
+"""Case builders and an independent numpy attention for the kernel tests.
+
+Caches are filled so that everything an output must NOT depend on (block 0, unused
+blocks, slots past seq_len) holds poison (NaN, or huge finite values), while the live
+slots hold random data. Block tables use a random permutation of the block ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+# Per-dtype tolerances, stated once. f32: the kernel and reference differ only in
+# summation order. bf16: inputs are bf16, the kernel feeds bf16 probabilities to the
+# p @ V dot (as flash attention does) and outputs round to bf16 (eps 2^-8).
+TOL = {
+    "float32": dict(atol=2e-5, rtol=2e-5),
+    "bfloat16": dict(atol=3e-2, rtol=3e-2),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    q: jnp.ndarray  # f[num_rows, num_q_heads, head_dim]
+    k_cache: jnp.ndarray  # f[num_blocks, num_kv_heads, block_size, head_dim] (poisoned)
+    v_cache: jnp.ndarray
+    clean_k: np.ndarray  # f32 numpy copy with poison replaced by 0 (for the naive check)
+    clean_v: np.ndarray
+    block_tables: jnp.ndarray  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens: jnp.ndarray  # i32[num_seqs]
+    query_start_loc: jnp.ndarray  # i32[num_seqs + 1] (decode: arange)
+
+
+def make_case(
+    seed: int,
+    *,
+    seq_lens: list[int],
+    q_lens: list[int] | None = None,  # None: decode (one query per sequence)
+    num_rows: int | None = None,  # ragged: q rows incl. padding past query_start_loc[-1]
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: str = "float32",
+    poison: float = float("nan"),
+    spare_blocks: int = 3,
+    extra_table_cols: int = 1,
+) -> Case:
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(blocks_per_seq) + spare_blocks
+    width = max(max(blocks_per_seq), 1) + extra_table_cols
+    ids = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    live = np.zeros((num_blocks, block_size), bool)
+    cursor = 0
+    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
+        tables[i, :nb] = ids[cursor : cursor + nb]
+        cursor += nb
+        for t in range(n):
+            live[tables[i, t // block_size], t % block_size] = True
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    clean = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    mask = live[:, None, :, None]
+    clean = [np.where(mask, c, 0.0).astype(np.float32) for c in clean]
+    poisoned = [np.where(mask, c, poison) for c in clean]
+    # Round the live values to the cache dtype so the naive check sees the same inputs.
+    k_cache, v_cache = (jnp.asarray(p, dtype=dtype) for p in poisoned)
+    clean = [np.where(mask, np.asarray(c.astype(jnp.float32)), 0.0) for c in (k_cache, v_cache)]
+
+    if q_lens is None:
+        q_lens = [1] * len(seq_lens)
+        num_rows = len(seq_lens)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    num_rows = int(qsl[-1]) if num_rows is None else num_rows
+    q = rng.standard_normal((num_rows, num_kv_heads * group, head_dim)).astype(np.float32)
+    return Case(
+        q=jnp.asarray(q, dtype=dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        clean_k=clean[0],
+        clean_v=clean[1],
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(np.asarray(seq_lens, np.int32)),
+        query_start_loc=jnp.asarray(qsl),
+    )
+
+
+def naive_attention(
+    case: Case,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> np.ndarray:  # f64[num_rows, num_q_heads, head_dim]; padding rows 0
+    """Loop-per-query float64 attention over the clean cache, written apart from the reference."""
+    q = np.asarray(case.q.astype(jnp.float32), np.float64)
+    tables = np.asarray(case.block_tables)
+    seq_lens = np.asarray(case.seq_lens)
+    qsl = np.asarray(case.query_start_loc)
+    _, num_kv_heads, block_size, _ = case.clean_k.shape
+    group = q.shape[1] // num_kv_heads
+    out = np.zeros_like(q)
+    for i, n in enumerate(seq_lens):
+        if n == 0:
+            continue  # a padded sequence: its (decode) row sees nothing and is 0
+        ks = np.stack(
+            [case.clean_k[tables[i, t // block_size], :, t % block_size] for t in range(n)]
+        )
+        vs = np.stack(
+            [case.clean_v[tables[i, t // block_size], :, t % block_size] for t in range(n)]
+        )
+        q_len = qsl[i + 1] - qsl[i]
+        for j in range(q_len):
+            row, pos = qsl[i] + j, n - q_len + j
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(q.shape[1]):
+                kh = ks[lo : pos + 1, h // group].astype(np.float64)
+                vh = vs[lo : pos + 1, h // group].astype(np.float64)
+                s = kh @ q[row, h] * scale
+                if soft_cap is not None:
+                    s = soft_cap * np.tanh(s / soft_cap)
+                p = np.exp(s - s.max())
+                out[row, h] = (p / p.sum()) @ vh
+    return out
+
+
+def assert_close(actual, expected, dtype: str) -> None:
+    actual = np.asarray(jnp.asarray(actual).astype(jnp.float32))
+    assert np.isfinite(actual).all(), "output has NaN/inf: poison leaked"
+    np.testing.assert_allclose(actual, np.asarray(expected, np.float32), **TOL[dtype])

@@ -1,0 +1,134 @@
+"""The pure-JAX references against an independent numpy attention, plus layout and seam."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pk_testing import assert_close, make_case, naive_attention
+
+import pallas_kernels as pk
+from pallas_kernels import reference
+
+CONFIGS = [  # block_size, num_kv_heads, group, head_dim, dtype, sliding_window, soft_cap
+    pytest.param(8, 2, 1, 64, "float32", None, None, id="bs8-mha-d64-f32"),
+    pytest.param(16, 1, 4, 128, "float32", None, 5.0, id="bs16-gqa4-d128-f32-softcap"),
+    pytest.param(32, 1, 8, 64, "bfloat16", None, None, id="bs32-gqa8-d64-bf16"),
+    pytest.param(16, 2, 4, 64, "float32", 11, None, id="bs16-gqa4-d64-f32-window11"),
+]
+
+
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim,dtype,window,cap", CONFIGS)
+def test_reference_decode_matches_naive(block_size, kv_heads, group, head_dim, dtype, window, cap):
+    bs = block_size
+    case = make_case(
+        0,
+        seq_lens=[1, bs - 1, bs, bs + 1, 4 * bs + 3, 0],
+        block_size=bs,
+        num_kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    out = reference.paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        scale=0.1,
+        sliding_window=window,
+        soft_cap=cap,
+    )
+    assert out.dtype == case.q.dtype
+    assert_close(out, naive_attention(case, scale=0.1, sliding_window=window, soft_cap=cap), dtype)
+    assert np.all(np.asarray(out[-1].astype(jnp.float32)) == 0)  # seq_len 0 -> zeros
+
+
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim,dtype,window,cap", CONFIGS)
+def test_reference_ragged_matches_naive(block_size, kv_heads, group, head_dim, dtype, window, cap):
+    bs = block_size
+    # fresh prefill | chunk continuing a cached prefix | decode | decode at a block edge | pad
+    case = make_case(
+        1,
+        seq_lens=[bs + 3, 2 * bs + 5, bs + 1, bs, 0],
+        q_lens=[bs + 3, bs - 2, 1, 1, 0],
+        num_rows=2 * bs + 8,
+        block_size=bs,
+        num_kv_heads=kv_heads,
+        group=group,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    out = reference.ragged_paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=0.1,
+        sliding_window=window,
+        soft_cap=cap,
+    )
+    assert_close(out, naive_attention(case, scale=0.1, sliding_window=window, soft_cap=cap), dtype)
+
+
+def test_reference_survives_huge_poison():
+    case = make_case(
+        2, seq_lens=[3, 9], block_size=8, num_kv_heads=1, group=4, head_dim=64, poison=3e38
+    )
+    out = reference.paged_attention(
+        case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, scale=0.125
+    )
+    assert_close(out, naive_attention(case, scale=0.125), "float32")
+
+
+def test_reference_write_kv_drops_minus_one_slots():
+    k_cache, v_cache = pk.init_kv_cache(4, 8, 2, 64, jnp.float32)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((4, 2, 64)), jnp.float32)
+    slots = jnp.array([9, -1, 31, 0], jnp.int32)
+    new_k, new_v = reference.write_kv(k_cache, v_cache, k, 2 * k, slots)
+    expected = np.zeros(k_cache.shape, np.float32)
+    for t, slot in enumerate(np.asarray(slots)):
+        if slot >= 0:
+            expected[slot // 8, :, slot % 8] = np.asarray(k[t])
+    np.testing.assert_array_equal(np.asarray(new_k), expected)
+    np.testing.assert_array_equal(np.asarray(new_v), 2 * expected)
+
+
+def test_reference_copy_blocks():
+    rng = np.random.default_rng(0)
+    k_cache = jnp.asarray(rng.standard_normal((6, 2, 8, 64)), jnp.float32)
+    v_cache = k_cache + 1
+    src, dst = jnp.array([1, 3, 2], jnp.int32), jnp.array([4, 5, -1], jnp.int32)
+    new_k, new_v = reference.copy_blocks(k_cache, v_cache, src, dst)
+    expected = np.asarray(k_cache).copy()
+    expected[4], expected[5] = expected[1], expected[3]
+    np.testing.assert_array_equal(np.asarray(new_k), expected)
+    np.testing.assert_array_equal(np.asarray(new_v), expected + 1)
+
+
+def test_init_kv_cache_layout_and_errors():
+    k_cache, v_cache = pk.init_kv_cache(10, 16, 4, 128, jnp.bfloat16)
+    assert k_cache.shape == v_cache.shape == (10, 4, 16, 128) == pk.kv_cache_shape(10, 16, 4, 128)
+    assert k_cache.dtype == jnp.bfloat16 and not np.asarray(k_cache.astype(jnp.float32)).any()
+    with pytest.raises(ValueError, match=r"block_size=0 must be a positive int"):
+        pk.init_kv_cache(10, 0, 4, 128)
+    with pytest.raises(ValueError, match=r"dtype=int32 must be one of"):
+        pk.init_kv_cache(10, 16, 4, 128, jnp.int32)
+
+
+def test_get_attention_ops_names():
+    ops = pk.get_attention_ops("reference")
+    assert isinstance(ops, pk.AttentionOps) and ops.paged_attention is reference.paged_attention
+    expected = "pallas" if jax.default_backend() == "gpu" else "reference"
+    auto = pk.get_attention_ops("auto")
+    assert (auto.write_kv is reference.write_kv) == (expected == "reference")
+    interp = pk.get_attention_ops("pallas_interpret")
+    assert interp.ragged_paged_attention.keywords == {"interpret": True}
+    assert pk.get_attention_ops("pallas").copy_blocks is pk.copy_blocks
+    with pytest.raises(ValueError, match=r"name='mosaic' must be one of 'auto', 'pallas'"):
+        pk.get_attention_ops("mosaic")
