@@ -1,0 +1,332 @@
+"""Engine: requests in, finished outputs out; one scheduler step + one device step per call.
+
+add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.execute
+            -> Scheduler.update_from_output -> finished EngineOutputs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from paged_jax.config import EngineConfig
+from paged_jax.input_batch import InputBatch
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.request import Request, RequestStatus
+from paged_jax.runner import Runner, num_backend_compiles
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Scheduler
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """One finished request.
+
+    Attributes:
+        request_id: the id given to add_request.
+        prompt_token_ids: the prompt.
+        token_ids: generated tokens (a stop token is included; EOS too).
+        finish_reason: "stop", "length", "abort" or "error".
+        stop_reason: the stop string or stop token that ended it, if any.
+        error: why the request failed (finish_reason "error").
+        logprobs: per generated token {token id: logprob} (sampled token plus the
+            top `SamplingParams.logprobs`), or None when not asked for.
+        arrival_time / first_token_time / finish_time: wall-clock seconds.
+        num_cached_tokens: prompt tokens served from the prefix cache at admission.
+        num_preemptions: how often the request was preempted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stop_reason: str | int | None = None
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float = 0.0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class _ReqState:
+    params: SamplingParams
+    seed: int
+    logprobs: list[dict[int, float]] | None
+    first_token_time: float | None = None
+    stop_reason: str | int | None = None
+
+
+class Engine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        model: a paged_jax.models model (see paged_jax.models.load_model).
+        config: engine settings; max_model_len None takes the model's.
+        detokenize: optional token ids -> text function, needed for stop strings.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig | None = None,
+        *,
+        detokenize: Callable[[Sequence[int]], str] | None = None,
+    ):
+        config = config or EngineConfig()
+        mcfg = model.config
+        limit = int(mcfg.max_position_embeddings)
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=limit)
+        elif config.max_model_len > limit:
+            raise ValueError(
+                f"EngineConfig.max_model_len={config.max_model_len!r} must be <= the model's "
+                f"max_position_embeddings={limit}"
+            )
+        self.config = config
+        self.model_config = mcfg
+        self.vocab_size = int(mcfg.vocab_size)
+        self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
+        self.detokenize = detokenize
+        self.runner = Runner(model, config)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_kv_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_algo=config.hash_algo,
+            max_model_len=config.max_model_len,
+        )
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.input_batch = InputBatch(config)
+        self._seed_rng = np.random.default_rng(config.seed)
+        self._states: dict[str, _ReqState] = {}
+        self._step_times: list[float] = []
+        self._num_steps = 0
+        self._usage_peak = 0.0
+        self._num_cached_tokens: dict[str, int] = {}
+        self._compiles_at_start = num_backend_compiles()
+        self._compiles_after_warmup: int | None = None
+
+    # ------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Validates and queues one request; raises ValueError (and adds nothing) on bad input."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
+        if request_id in self._states:
+            raise ValueError(f"request_id={request_id!r} must be unique among live requests")
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt=cache_salt,
+            priority=priority,
+            arrival_time=arrival_time,
+        )
+        bad = [t for t in req.prompt_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains {bad[0]!r}: token ids must be < vocab_size="
+                f"{self.vocab_size}"
+            )
+        max_len = self.config.max_model_len
+        if req.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"len(prompt_token_ids)={req.num_prompt_tokens} must be < max_model_len="
+                f"{max_len} (room for at least one generated token)"
+            )
+        need = -(-(req.num_prompt_tokens + 1) // self.config.block_size)
+        if need > self.kv_cache_manager.num_usable_blocks:
+            raise ValueError(
+                f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "
+                f"pool has {self.kv_cache_manager.num_usable_blocks}: raise num_kv_blocks"
+            )
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        self._states[request_id] = _ReqState(
+            params, seed, [] if params.logprobs is not None else None
+        )
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str) -> EngineOutput:
+        """Ends a live request now; its blocks go back to the pool."""
+        if request_id not in self._states:
+            raise ValueError(f"request_id={request_id!r} must name a live request")
+        req = self.scheduler.requests[request_id]
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------ step
+    def step(self) -> list[EngineOutput]:
+        """Runs one scheduler + device step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        out = sched.schedule()
+        # Requests the scheduler ended on its own (they can never fit) report their error.
+        finished = [self._finish(req) for req in out.errored]
+        batch = self.input_batch
+        for req_id in out.removed_req_ids:
+            if req_id in batch.row_of:
+                batch.remove_request(req_id)
+        for req_id, block_ids in out.swap_out:
+            self.runner.swap_out(req_id, block_ids)
+        for row in out.new_rows:
+            st = self._states[row.req_id]
+            req = sched.requests[row.req_id]
+            if req.num_preemptions == 0:
+                self._num_cached_tokens[row.req_id] = row.num_computed_tokens
+            batch.add_request(
+                row.req_id,
+                row.token_ids,
+                row.block_ids,
+                st.params,
+                st.seed,
+                min_tokens_stop_ids=self._min_tokens_stop_ids(st.params),
+            )
+        for req_id, block_ids in out.new_block_ids.items():
+            batch.append_block_ids(req_id, block_ids)
+        for req_id, block_ids in out.swap_in:
+            self.runner.swap_in(req_id, block_ids)
+        self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
+        if not out.scheduled:
+            return finished
+        result = self.runner.execute(batch.prepare(out.scheduled))
+        now = time.time()
+        sampled: dict[str, int] = {}
+        for i, seq in enumerate(out.scheduled):
+            req = sched.requests[seq.req_id]
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            token = int(result.token_ids[i])
+            sampled[seq.req_id] = token
+            st = self._states[seq.req_id]
+            if st.first_token_time is None:
+                st.first_token_time = now
+            if st.logprobs is not None:
+                entry = {token: float(result.logprobs[i])}
+                k = st.params.logprobs
+                for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
+                    entry[int(tid)] = float(lp)
+                st.logprobs.append(entry)
+        done = sched.update_from_output(out, sampled, self.eos_token_ids)
+        done_ids = {r.request_id for r in done}
+        for req in done:
+            st = self._states[req.request_id]
+            token = sampled[req.request_id]
+            if req.status == RequestStatus.FINISHED_STOPPED and token in st.params.stop_token_ids:
+                st.stop_reason = token
+        for req_id, token in sampled.items():
+            if req_id in done_ids:
+                continue
+            batch.append_token_ids(req_id, [token])
+            stop = self._stop_string_hit(req_id)
+            if stop is not None:
+                req = sched.requests[req_id]
+                sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                self._states[req_id].stop_reason = stop
+                done.append(req)
+        for req in done:
+            if req.request_id in batch.row_of:
+                batch.remove_request(req.request_id)
+            finished.append(self._finish(req))
+        self._num_steps += 1
+        self._step_times.append(time.perf_counter() - t0)
+        return finished
+
+    # ------------------------------------------------------------ helpers
+    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
+        if params.min_tokens == 0:
+            return []
+        return list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
+
+    def _stop_string_hit(self, req_id: str) -> str | None:
+        """The stop string that the request's output text now contains, if any."""
+        st = self._states[req_id]
+        if not st.params.stop or self.detokenize is None:
+            return None
+        req = self.scheduler.requests[req_id]
+        if req.num_output_tokens < st.params.min_tokens:
+            return None
+        # Only the tail can hold a new match: the longest stop string plus a few tokens.
+        tail = max(map(len, st.params.stop)) + 8
+        text = self.detokenize(req.output_token_ids[-tail:])
+        return next((s for s in st.params.stop if s in text), None)
+
+    def _finish(self, req: Request) -> EngineOutput:
+        st = self._states.pop(req.request_id)
+        self.runner.drop_swapped(req.request_id)
+        return EngineOutput(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            token_ids=list(req.output_token_ids),
+            finish_reason=FINISH_REASONS[req.status],
+            stop_reason=st.stop_reason,
+            error=self.scheduler.errors.pop(req.request_id, None),
+            logprobs=st.logprobs,
+            arrival_time=req.arrival_time,
+            first_token_time=st.first_token_time,
+            finish_time=time.time(),
+            num_cached_tokens=self._num_cached_tokens.pop(req.request_id, 0),
+            num_preemptions=req.num_preemptions,
+        )
+
+    # ------------------------------------------------------------ warmup + stats
+    def warmup(self) -> int:
+        """Compiles the step for every (num_tokens, num_seqs) bucket; returns the count."""
+        shapes = self.config.step_shapes()
+        self.runner.warmup([self.input_batch.dummy_step_input(t, s) for t, s in shapes])
+        self._compiles_after_warmup = num_backend_compiles()
+        return len(shapes)
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.kv_cache_manager.prefix_cache_stats
+        total = num_backend_compiles() - self._compiles_at_start
+        after = (
+            None
+            if self._compiles_after_warmup is None
+            else num_backend_compiles() - self._compiles_after_warmup
+        )
+        return {
+            "num_steps": self._num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": stats.queries,
+            "prefix_cache_hits": stats.hits,
+            "prefix_cache_hit_rate": stats.hit_rate,
+            "kv_cache_usage": self.kv_cache_manager.usage,
+            "kv_cache_usage_peak": self._usage_peak,
+            "num_kv_blocks": self.runner.num_kv_blocks,
+            "num_compiles": total,
+            "num_compiles_after_warmup": after,
+            "step_time_ms": 1e3 * statistics.median(self._step_times) if self._step_times else 0.0,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+        }

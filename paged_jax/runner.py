@@ -1,0 +1,203 @@
+"""Runner: owns the model's weights and the paged KV caches on device; runs one jitted step.
+
+The step is one jitted function of (weights, kv_caches, StepInput arrays): the model's
+paged forward (write_kv, then ragged paged attention, per layer) and the sampler. The
+KV caches are donated so XLA updates them in place. Every input has a bucketed shape,
+so `warmup()` compiles every bucket once and serving never compiles again; a global
+listener on jax's compile events keeps an honest count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from paged_jax.config import EngineConfig
+from paged_jax.input_batch import StepInput
+from paged_jax.models import AttentionMetadata
+from paged_jax.sampling import SamplingMetadata, sample
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_lock = threading.Lock()
+_compile_count = 0
+_listener_installed = False
+
+
+def _on_event(name: str, *_args: Any, **_kwargs: Any) -> None:
+    global _compile_count
+    if name == _COMPILE_EVENT:
+        with _compile_lock:
+            _compile_count += 1
+
+
+def num_backend_compiles() -> int:
+    """XLA backend compilations in this process since the first Runner was built."""
+    return _compile_count
+
+
+def _install_compile_listener() -> None:
+    global _listener_installed
+    with _compile_lock:
+        if not _listener_installed:
+            jax.monitoring.register_event_duration_secs_listener(_on_event)
+            _listener_installed = True
+
+
+def _device_free_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return None
+
+
+def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    """Pool size from num_kv_blocks, a byte budget, or a fraction of free device memory.
+
+    With neither set: 90% of free memory on an accelerator; on CPU, enough blocks for
+    max_num_seqs full-length sequences, at most 1 GiB.
+    """
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    budget = config.kv_cache_memory
+    if budget is None and jax.default_backend() != "cpu":
+        budget = 0.9
+    if isinstance(budget, float):
+        free = _device_free_bytes()
+        if free is None:  # CPU: the host's available memory
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    if budget is None:
+        full = config.max_num_seqs * config.max_blocks_per_seq + 1
+        return max(2, min(full, (1 << 30) // bytes_per_block))
+    num_blocks = budget // bytes_per_block
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_cache_memory={config.kv_cache_memory!r} must hold at least 2 KV blocks "
+            f"of {bytes_per_block} bytes"
+        )
+    return int(num_blocks)
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Host copies of the sampler's outputs for the real (unpadded) sequences."""
+
+    token_ids: np.ndarray  # i32[num_seqs]
+    logprobs: np.ndarray  # f32[num_seqs]
+    top_token_ids: np.ndarray  # i32[num_seqs, MAX_LOGPROBS]
+    top_logprobs: np.ndarray  # f32[num_seqs, MAX_LOGPROBS]
+
+
+class Runner:
+    """Device state (weights, KV caches, swapped blocks) and the jitted step.
+
+    Args:
+        model: a paged_jax.models model (Flax NNX) with forward_paged / init_kv_caches.
+        config: a resolved EngineConfig.
+    """
+
+    def __init__(self, model: nnx.Module, config: EngineConfig):
+        _install_compile_listener()
+        self.config = config
+        self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size))
+        self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block)
+        self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size)
+        self.attention_backend = config.attention_backend
+        graphdef, self.weights = nnx.split(model)
+        backend = self.attention_backend
+
+        def step_fn(weights, kv_caches, token_ids, positions, attn_meta, samp_meta):
+            m = nnx.merge(graphdef, weights)
+            logits, kv_caches = m.forward_paged(
+                token_ids, positions, kv_caches, attn_meta, attention_backend=backend
+            )
+            return sample(logits, samp_meta), kv_caches
+
+        self._step = jax.jit(step_fn, donate_argnums=(1,))
+        width = config.max_blocks_per_seq
+        self._swap_width = width
+
+        def gather_blocks(kv_caches, ids):  # ids i32[W]
+            return [(k[ids], v[ids]) for k, v in kv_caches]
+
+        def scatter_blocks(kv_caches, ids, blocks):  # ids i32[W]; out of range = dropped
+            return [
+                (k.at[ids].set(bk, mode="drop"), v.at[ids].set(bv, mode="drop"))
+                for (k, v), (bk, bv) in zip(kv_caches, blocks)
+            ]
+
+        self._gather = jax.jit(gather_blocks)
+        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
+        self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
+
+    # ------------------------------------------------------------------ step
+    def execute(self, step: StepInput) -> StepResult:
+        """Runs one bucketed step; returns the samples of the real sequences."""
+        attn = AttentionMetadata(
+            slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            logits_indices=step.logits_indices,
+        )
+        samp = SamplingMetadata(
+            temperature=step.temperature,
+            top_k=step.top_k,
+            top_p=step.top_p,
+            min_p=step.min_p,
+            seeds=step.seeds,
+            counters=step.counters,
+            masked_token_ids=step.masked_token_ids,
+        )
+        out, self.kv_caches = self._step(
+            self.weights, self.kv_caches, step.token_ids, step.positions, attn, samp
+        )
+        out = jax.device_get(out)
+        n = step.num_seqs
+        return StepResult(
+            np.asarray(out.token_ids[:n]),
+            np.asarray(out.logprobs[:n]),
+            np.asarray(out.top_token_ids[:n]),
+            np.asarray(out.top_logprobs[:n]),
+        )
+
+    def warmup(self, steps: list[StepInput]) -> None:
+        """Compiles the step for every bucket (all-padding inputs change no KV) and the swaps."""
+        for step in steps:
+            result = self.execute(step)
+            assert result.token_ids.shape == (0,), "a padding-only step produced samples"
+        if self.config.preemption_mode == "swap":
+            ids = np.zeros(self._swap_width, np.int32)
+            blocks = self._gather(self.kv_caches, ids)
+            drop = np.full(self._swap_width, self.num_kv_blocks, np.int32)
+            self.kv_caches = self._scatter(self.kv_caches, drop, blocks)
+
+    # ------------------------------------------------------------------ swap
+    def swap_out(self, req_id: str, block_ids: list[int]) -> None:
+        """Copies the blocks' K/V of every layer to host memory (before they are reused)."""
+        ids = np.zeros(self._swap_width, np.int32)
+        ids[: len(block_ids)] = block_ids
+        blocks = jax.device_get(self._gather(self.kv_caches, ids))
+        self._host_blocks[req_id] = (len(block_ids), blocks)
+
+    def swap_in(self, req_id: str, block_ids: list[int]) -> None:
+        """Writes a request's host copy into freshly allocated blocks."""
+        num, blocks = self._host_blocks.pop(req_id)
+        assert num == len(block_ids), "swap-in must restore exactly the swapped-out blocks"
+        ids = np.full(self._swap_width, self.num_kv_blocks, np.int32)  # past the end: dropped
+        ids[:num] = block_ids
+        self.kv_caches = self._scatter(self.kv_caches, ids, blocks)
+
+    def drop_swapped(self, req_id: str) -> None:
+        """Forget a swapped request's host copy (it finished or was aborted while swapped)."""
+        self._host_blocks.pop(req_id, None)
+
+    @property
+    def num_swapped_requests(self) -> int:
+        return len(self._host_blocks)

@@ -1,0 +1,325 @@
+"""Continuous-batching scheduler with chunked prefill and preemption (vLLM V1 semantics).
+
+Host side, pure Python. Each step serves RUNNING requests first (decodes and the
+next chunks of partial prefills), then admits WAITING ones, within the budgets
+max_num_batched_tokens and max_num_seqs. When a running request cannot get a block,
+the lowest-priority / latest-arrived running request is preempted (recompute: its
+blocks are freed and it restarts from the waiting queue's head; swap: its KV blocks
+are copied to host memory first and copied back into fresh blocks on resume). No
+request is admitted in a step that preempted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+
+from paged_jax.config import EngineConfig
+from paged_jax.input_batch import ScheduledSeq
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.request import Request, RequestStatus
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class NewRow:
+    """A request entering the device batch (newly admitted or resumed): its whole state."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step runs and what the runner must do to device state first.
+
+    Order of application: drop rows of finished/preempted requests, swap out, add
+    new rows, append block ids, swap in, then run `scheduled`.
+    """
+
+    scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
+    new_rows: list[NewRow] = dataclasses.field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    removed_req_ids: list[str] = dataclasses.field(default_factory=list)
+    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
+    # (req_id, block ids whose contents go to host) — read before any write this step.
+    swap_out: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
+    # (req_id, fresh block ids that receive the host copy) — written before the step.
+    swap_in: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
+    # Requests finished with an error while scheduling (they can never fit).
+    errored: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class _WaitingQueue:
+    """FCFS deque or priority heap keyed by (priority, arrival_time, submission order)."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fifo: collections.deque[Request] = collections.deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._fifo) if self.policy == "fcfs" else len(self._heap)
+
+    def __iter__(self):
+        return iter(self._fifo) if self.policy == "fcfs" else (e[3] for e in sorted(self._heap))
+
+    def add(self, req: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.append(req)
+        else:
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._order), req))
+
+    def prepend(self, req: Request) -> None:
+        """Re-queue a preempted request: the front for FCFS, by priority otherwise."""
+        if self.policy == "fcfs":
+            self._fifo.appendleft(req)
+        else:
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, -next(self._order), req))
+
+    def peek(self) -> Request:
+        return self._fifo[0] if self.policy == "fcfs" else self._heap[0][3]
+
+    def pop(self) -> Request:
+        return self._fifo.popleft() if self.policy == "fcfs" else heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        if self.policy == "fcfs":
+            self._fifo.remove(req)
+        else:
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+
+
+class Scheduler:
+    """Decides each step's tokens per request and owns the requests' lifecycles.
+
+    Args:
+        config: a resolved EngineConfig (max_model_len set).
+        kv_cache_manager: the block manager all allocations go through.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
+        assert config.max_model_len is not None, "the engine resolves max_model_len first"
+        self.config = config
+        self.kv = kv_cache_manager
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.num_usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
+        self.requests: dict[str, Request] = {}
+        self.waiting = _WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []
+        # Requests preempted by swap: req_id -> number of tokens whose KV went to host.
+        self.swapped: dict[str, int] = {}
+        self._removed: list[str] = []
+        self.errors: dict[str, str] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------ lifecycle
+    def add_request(self, req: Request) -> None:
+        """Queue a validated request (the engine checks ids, lengths and params)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id={req.request_id!r} must be unique among live requests")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.WAITING
+        self.waiting.add(req)
+
+    def finish_request(self, req_id: str, status: RequestStatus, error: str | None = None) -> None:
+        """End a live request: free its blocks now and drop it from the device batch."""
+        req = self.requests.pop(req_id)
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._removed.append(req_id)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.swapped.pop(req_id, None)
+        req.status = status
+        if error is not None:
+            self.errors[req_id] = error
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def _can_never_fit(self, req: Request) -> str | None:
+        """Why the request can never be scheduled again, or None."""
+        if req.num_tokens > self.max_model_len:
+            return (
+                f"the request's {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
+            )
+        need = _cdiv(req.num_tokens, self.block_size)
+        if need > self.num_usable_blocks:
+            return (
+                f"the request's {req.num_tokens} tokens need {need} KV blocks but the pool "
+                f"has only {self.num_usable_blocks} usable blocks"
+            )
+        return None
+
+    # ------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then admissions if nothing was preempted."""
+        out = SchedulerOutput(removed_req_ids=self._removed)
+        self._removed = []
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            num_blocks_before = len(self.kv.get_block_ids(req))
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                    out.new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue
+            new_ids = self.kv.get_block_ids(req)[num_blocks_before:]
+            if new_ids:
+                out.new_block_ids[req.request_id] = list(new_ids)
+            scheduled[req.request_id] = ScheduledSeq(
+                req.request_id, req.num_computed_tokens, num_new, req.num_output_tokens
+            )
+            budget -= num_new
+
+        if not out.preempted_req_ids:
+            self._admit(out, scheduled, budget)
+        out.scheduled = list(scheduled.values())
+        for seq in out.scheduled:
+            # Optimistic advance, as vLLM: the next step may continue a chunked prefill
+            # before this step's outputs are read.
+            self.requests[seq.req_id].num_computed_tokens += seq.num_new_tokens
+        return out
+
+    def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.peek()
+            reason = self._can_never_fit(req)
+            if reason is not None:
+                self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, reason)
+                out.errored.append(req)
+                continue
+            swapped_tokens = self.swapped.get(req.request_id)
+            if swapped_tokens is not None:
+                # Resume from host: fresh blocks for the swapped tokens and the new ones.
+                num_new = min(req.num_tokens - swapped_tokens, budget)
+                req.num_computed_tokens = 0
+                if self.kv.allocate_slots(req, swapped_tokens + num_new) is None:
+                    req.num_computed_tokens = swapped_tokens
+                    break
+                num_computed = swapped_tokens
+                block_ids = list(self.kv.get_block_ids(req))
+                out.swap_in.append(
+                    (req.request_id, block_ids[: _cdiv(swapped_tokens, self.block_size)])
+                )
+                del self.swapped[req.request_id]
+            else:
+                hit_blocks, num_computed = self.kv.get_computed_blocks(req)
+                num_new = min(req.num_tokens - num_computed, budget)
+                if (
+                    self.kv.allocate_slots(
+                        req,
+                        num_new,
+                        num_new_computed_tokens=num_computed,
+                        new_computed_blocks=hit_blocks,
+                    )
+                    is None
+                ):
+                    break  # head-of-line blocking: waiting requests never preempt
+                block_ids = list(self.kv.get_block_ids(req))
+            self.waiting.pop()
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_computed
+            self.running.append(req)
+            out.new_rows.append(
+                NewRow(req.request_id, list(req.all_token_ids), block_ids, num_computed)
+            )
+            scheduled[req.request_id] = ScheduledSeq(
+                req.request_id, num_computed, num_new, req.num_output_tokens
+            )
+            budget -= num_new
+
+    def _pick_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
+            num_saved = req.num_computed_tokens
+            block_ids = list(self.kv.get_block_ids(req))[: _cdiv(num_saved, self.block_size)]
+            out.swap_out.append((req.request_id, block_ids))
+            self.swapped[req.request_id] = num_saved
+        else:
+            req.num_computed_tokens = 0
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+        out.preempted_req_ids.append(req.request_id)
+        out.removed_req_ids.append(req.request_id)
+
+    # ------------------------------------------------------------ results
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: tuple[int, ...] = ()
+    ) -> list[Request]:
+        """Append sampled tokens, check token-level stops, free finished requests.
+
+        Args:
+            out: the SchedulerOutput this step ran.
+            sampled: req_id -> sampled token for every sequence whose step reached
+                the end of its known tokens (a partial prefill chunk samples nothing).
+            eos_token_ids: the model's EOS ids (ignored for requests with ignore_eos).
+
+        Returns:
+            The requests that finished in this step (already freed).
+        """
+        finished = []
+        for req_id, token in sampled.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.append_output_token_ids(token)
+            status = self._check_stop(req, token, eos_token_ids)
+            if status is not None:
+                self.finish_request(req_id, status)
+                finished.append(req)
+        return finished
+
+    def _check_stop(
+        self, req: Request, token: int, eos_token_ids: tuple[int, ...]
+    ) -> RequestStatus | None:
+        params = req.sampling_params
+        n_out = req.num_output_tokens
+        if params is not None and n_out >= params.min_tokens:
+            if not params.ignore_eos and token in eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if params is not None and n_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
