@@ -65,6 +65,20 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             tokens = [1]
         self.waiting.append(Request(f"r{next(self.ids)}", tokens, cache_salt=salt))
 
+    @rule(keep=st.integers(0, 3))
+    def hog(self, keep):
+        """Admit a request of unique tokens that leaves only `keep` free blocks."""
+        num_blocks = min(self.m.num_free_blocks - keep, (MAX_MODEL_LEN - 1) // BS)
+        if num_blocks <= 0:
+            return
+        n = next(self.ids)
+        req = Request(f"hog{n}", [10_000 + n] * (num_blocks * BS))
+        assert self.m.allocate_slots(req, req.num_tokens) is not None
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        self.tables[req.request_id] = self.m.get_block_ids(req)
+
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 24))
     def admit(self, data, chunk):
