@@ -158,11 +158,11 @@ class BlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         bs = self.block_size
         hashes = request.block_hashes
+        token_ids = request.all_token_ids
         start_block = len(hashes)
-        end_block = request.num_tokens // bs
+        end_block = len(token_ids) // bs
         if end_block <= start_block:
             return []
-        token_ids = request.all_token_ids
         fn = self._fn
         parent = hashes[-1] if hashes else self._none_hash
         header = bs.to_bytes(4, "little")

@@ -93,3 +93,27 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             block_hashes, max_length, self.block_pool, m.kv_cache_group_id, m.block_size
         )
         return (hits,), len(hits) * m.block_size
+
+    # Direct single-manager versions of the fan-out methods: these run for every
+    # request on every step, where generator and tuple overhead shows.
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+    ) -> int:
+        return self.manager.get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks[0]
+        )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return (self.manager.allocate_new_blocks(request_id, num_tokens),)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        self.manager.cache_blocks(request, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.manager.free(request_id)

@@ -157,31 +157,20 @@ class KVCacheManager:
             )
         request_id = request.request_id
         coordinator = self.coordinator
-        if new_computed_blocks is None:
+        if new_computed_blocks is None or not new_computed_blocks.blocks[0]:
             hit_groups = self._empty_groups
             num_hit_blocks = 0
         else:
             hit_groups = new_computed_blocks.blocks
             num_hit_blocks = len(hit_groups[0])
+            self._check_hit(request, new_computed_blocks)
         if num_new_computed_tokens != num_hit_blocks * self.block_size:
             raise ValueError(
                 f"num_new_computed_tokens={num_new_computed_tokens!r} must equal "
                 f"{num_hit_blocks} hit blocks x block_size {self.block_size}"
             )
-        if num_hit_blocks and not self.enable_caching:
-            raise ValueError(
-                f"new_computed_blocks={new_computed_blocks!r} must be empty with prefix "
-                "caching disabled"
-            )
-        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+        if num_new_tokens == 0 and num_hit_blocks == 0:
             raise ValueError(f"num_new_tokens={num_new_tokens!r} must be > 0 with no prefix hit")
-        if num_hit_blocks and (
-            request.num_computed_tokens or coordinator.manager.req_to_blocks.get(request_id)
-        ):
-            raise ValueError(
-                f"new_computed_blocks={new_computed_blocks!r} must only be given to a "
-                f"request that holds no blocks (request {request_id!r} holds some)"
-            )
         total_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_to_compute = total_computed + num_new_tokens
         if num_tokens_to_compute > self.max_model_len:
@@ -190,9 +179,9 @@ class KVCacheManager:
                 f"max_model_len={self.max_model_len} (it already has {total_computed} "
                 "computed tokens)"
             )
-        if self.enable_caching and request.block_hasher is None:
-            self._ensure_hasher(request)
-        num_tokens_need_slot = min(num_tokens_to_compute + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = num_tokens_to_compute + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
 
         num_needed = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, hit_groups
@@ -204,13 +193,29 @@ class KVCacheManager:
             coordinator.save_new_computed_blocks(request_id, hit_groups)
         new_groups = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching:
-            num_tokens = request.num_tokens
+            if request.block_hasher is None:
+                self._ensure_hasher(request)
+            num_tokens = len(request.all_token_ids)
             coordinator.cache_blocks(
                 request, num_tokens_to_compute if num_tokens_to_compute < num_tokens else num_tokens
             )
         if not new_groups[0]:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_groups)
+
+    def _check_hit(self, request: Request, new_computed_blocks: KVCacheBlocks) -> None:
+        if not self.enable_caching:
+            raise ValueError(
+                f"new_computed_blocks={new_computed_blocks!r} must be empty with prefix "
+                "caching disabled"
+            )
+        if request.num_computed_tokens or self.coordinator.manager.req_to_blocks.get(
+            request.request_id
+        ):
+            raise ValueError(
+                f"new_computed_blocks={new_computed_blocks!r} must only be given to a "
+                f"request that holds no blocks (request {request.request_id!r} holds some)"
+            )
 
     def free(self, request: Request | str) -> None:
         """Returns all of the request's blocks to the pool, last block first.

@@ -96,11 +96,15 @@ class Request:
                 f"prompt_token_ids={prompt_token_ids!r} must be a sequence of int token ids"
             )
         try:
-            ids = [_to_token_id(t, "prompt_token_ids[i]") for t in prompt_token_ids]
+            ids = list(prompt_token_ids)
         except TypeError:
             raise ValueError(
                 f"prompt_token_ids={prompt_token_ids!r} must be a sequence of int token ids"
             ) from None
+        # Fast check for the common all-int prompt; the slow path converts numpy
+        # ints and names the first bad id.
+        if not all(type(t) is int for t in ids) or (ids and min(ids) < 0):
+            ids = [_to_token_id(t, "prompt_token_ids[i]") for t in ids]
         if not ids:
             raise ValueError(f"prompt_token_ids={ids!r} must not be empty")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):

@@ -54,9 +54,10 @@ class SingleTypeKVCacheManager:
         touching them removes them from the free queue.
         """
         held = self.req_to_blocks.get(request_id)
-        num_held = len(held) if held is not None else 0
-        num_required = -(-num_tokens // self.block_size)
-        num_new = num_required - num_held - len(new_computed_blocks)
+        num_new = -(-num_tokens // self.block_size) - (len(held) if held else 0)
+        if not new_computed_blocks:  # the decode fast path
+            return num_new if num_new > 0 else 0
+        num_new -= len(new_computed_blocks)
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(num_new, 0) + num_evictable
 
