@@ -122,12 +122,12 @@ def greedy_generate_paged(
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     logits_seen: list[list[np.ndarray]] = [[] for _ in prompts]
+    chunk = prefill_chunk or max(len(p) for p in prompts)
+    # One padded T for every step (one compilation, as an engine bucket); decode steps
+    # exercise the padding rows.
+    num_tokens = -(-chunk * len(prompts) // 8) * 8
     while min(len(t) - len(p) for t, p in zip(tokens, prompts)) < max_new_tokens:
-        chunk = prefill_chunk or max(len(t) for t in tokens)
         new = [min(len(t) - c, chunk) for t, c in zip(tokens, computed)]
-        # Pad T to a power of two (>= 8) as the engine's buckets do: fewer compilations,
-        # and the padding rows are exercised.
-        num_tokens = max(8, 1 << (sum(new) - 1).bit_length())
         step_ids = np.zeros(num_tokens, np.int32)
         step_ids[: sum(new)] = np.concatenate(
             [np.asarray(t[c : c + n], np.int32) for t, c, n in zip(tokens, computed, new)]
