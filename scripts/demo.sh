@@ -7,4 +7,4 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e .
-exec .venv/bin/python scripts/bench_host.py "$@"
+exec .venv/bin/python scripts/generate.py "$@"
