@@ -17,7 +17,7 @@ import tempfile
 
 import numpy as np
 
-DEMO_VERSION = "demo-llama-v1"
+DEMO_VERSION = "demo-llama-v2"
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2; the 256 bytes follow
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -46,13 +46,30 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
+def _byte_level_chars() -> list[str]:
+    """The printable character that byte-level pre-tokenization uses for each byte 0..255.
+
+    Printable Latin-1 bytes stand for themselves; the others are shifted past 255 in order.
+    """
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    chars, shift = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + shift))
+            shift += 1
+    return chars
+
+
 def build_byte_tokenizer():
-    """A byte-level tokenizer: every UTF-8 byte is one token, after three special tokens."""
+    """A byte-level tokenizer: token id = UTF-8 byte + 3, after three special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    chars = _byte_level_chars()
+    assert set(chars) == set(pre_tokenizers.ByteLevel.alphabet()), "byte-level alphabet changed"
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    vocab.update({ch: len(SPECIAL_TOKENS) + b for b, ch in enumerate(chars)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
