@@ -15,6 +15,14 @@ HOST_MODULES = [
     "paged_jax.kv_cache_coordinator",
     "paged_jax.kv_cache_blocks",
     "paged_jax.kv_cache_manager",
+    "paged_jax.config",
+    "paged_jax.sampling_params",
+    "paged_jax.input_batch",
+    "paged_jax.scheduler",
+    "paged_jax.outputs",
+    "paged_jax.demo",
+    "paged_jax.demo_prompts",
+    "paged_jax.generate_cli",
 ]
 
 
