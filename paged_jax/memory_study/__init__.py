@@ -1,0 +1,24 @@
+"""Memory study: how much KV memory holds token states under paged vs contiguous allocation.
+
+Host code only (never imports jax). workloads -> traces; sim drives the real Scheduler
+and KVCacheManager model-free; allocators simulates contiguous reservation baselines;
+report runs the study and writes the summary; plots (matplotlib, lazy) draws it.
+"""
+
+from __future__ import annotations
+
+from paged_jax.memory_study.allocators import FirstFitSpace, reservation_size, run_contiguous
+from paged_jax.memory_study.records import RunResult, StepLog
+from paged_jax.memory_study.sim import run_paged
+from paged_jax.memory_study.workloads import TraceRequest, Workload
+
+__all__ = [
+    "FirstFitSpace",
+    "RunResult",
+    "StepLog",
+    "TraceRequest",
+    "Workload",
+    "reservation_size",
+    "run_contiguous",
+    "run_paged",
+]

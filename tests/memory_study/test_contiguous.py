@@ -1,0 +1,122 @@
+"""Contiguous baselines: first-fit placement and the accounting, checked by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_jax.memory_study.allocators import FirstFitSpace, reservation_size, run_contiguous
+from paged_jax.memory_study.workloads import TraceRequest, Workload
+
+
+def _three_requests(budget: int) -> Workload:
+    # KV lengths (prompt + output - 1): A 4+2-1 = 5, B 2+3-1 = 4, C 3+5-1 = 7.
+    reqs = (
+        TraceRequest("A", (11, 12, 13, 14), 2),
+        TraceRequest("B", (21, 22), 3),
+        TraceRequest("C", (31, 32, 33), 5),
+    )
+    return Workload("three", reqs, kv_budget_tokens=budget, max_model_len=8)
+
+
+def test_reservation_sizes():
+    assert reservation_size("max", 5, 2048) == 2048
+    assert [reservation_size("pow2", n, 2048) for n in (1, 2, 3, 5, 8, 9, 1500)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        2048,
+    ]
+    assert reservation_size("pow2", 1500, 1024) == 1024  # capped at max_model_len
+    assert reservation_size("oracle", 37, 2048) == 37
+    with pytest.raises(ValueError, match="policy='lifo' must be one of"):
+        reservation_size("lifo", 5, 8)
+
+
+def test_first_fit_leaves_a_hole_a_larger_request_cannot_use():
+    space = FirstFitSpace(14)
+    assert [space.alloc(5), space.alloc(4), space.alloc(3)] == [0, 5, 9]
+    space.free(0)
+    assert space.holes() == [(0, 5), (12, 2)]
+    assert space.alloc(6) is None  # 7 slots free, no hole of 6
+    assert space.alloc(2) == 0  # first fit: the lowest hole that fits
+    assert space.holes() == [(2, 3), (12, 2)]
+
+
+def test_oracle_accounting_by_hand():
+    """Budget 14, oracle: A at [0,5), B at [5,9); C (7 slots) does not fit the 5-slot hole.
+
+    step 0: A prefill 4, B prefill 2. C waits: the hole [9,14) is external fragmentation.
+    step 1: A 5, B 3; A samples its 2nd token and finishes -> [0,5) is freed.
+    step 2: B 4; holes [0,5) and [9,14) hold 10 free slots but neither fits C's 7:
+            all 10 are external fragmentation. B finishes.
+    step 3: C placed at [0,7), prefill 3; steps 4-7 decode 4, 5, 6, 7; C finishes.
+    """
+    run = run_contiguous(_three_requests(14), "oracle", max_num_batched_tokens=64)
+    a = run.arrays
+    assert run.num_steps == 8
+    assert list(a["batch_size"]) == [2, 2, 1, 1, 1, 1, 1, 1]
+    assert list(a["token_states"]) == [6, 8, 4, 3, 4, 5, 6, 7]
+    # reserved = true KV length - computed, summed: step 0 (5-4)+(4-2), step 1 0+(4-3).
+    assert list(a["reserved"]) == [3, 1, 0, 4, 3, 2, 1, 0]
+    assert list(a["internal_frag"]) == [0] * 8
+    assert list(a["external_frag"]) == [5, 5, 10, 0, 0, 0, 0, 0]
+    assert list(a["free"]) == [0, 0, 0, 7, 7, 7, 7, 7]
+    assert list(a["waiting"]) == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert run.num_preemptions == 0
+    # Utilization over all steps: (6+8+4+3+4+5+6+7) / 8 steps / 14 slots.
+    assert run.summary()["utilization_busy"] == pytest.approx(43 / 8 / 14)
+    # Under load (steps 0-2, C waiting): (6 + 8 + 4) / 3 / 14.
+    assert run.summary()["utilization_load"] == pytest.approx(18 / 3 / 14)
+
+
+def test_max_and_pow2_accounting_by_hand():
+    # max: every request reserves max_model_len = 8; only A fits in 14 slots at first.
+    run = run_contiguous(_three_requests(14), "max", max_num_batched_tokens=64)
+    a = run.arrays
+    # A steps 0-1, B admitted at step 2 (decodes to 4 by step 4), C at step 5 (3 -> 7).
+    assert list(a["token_states"]) == [4, 5, 2, 3, 4, 3, 4, 5, 6, 7]
+    assert list(a["batch_size"]) == [1] * 10
+    assert (a["token_states"][0], a["reserved"][0], a["internal_frag"][0]) == (4, 1, 3)
+    assert list(a["external_frag"]) == [6] * 5 + [0] * 5  # hole [8,14) < 8 while one waits
+    assert list(a["free"]) == [0] * 5 + [6] * 5
+    # pow2: A 5 -> 8 at [0,8), B 4 -> 4 at [8,12), C 7 -> 8 does not fit [12,14).
+    run = run_contiguous(_three_requests(14), "pow2", max_num_batched_tokens=64)
+    step0 = {k: int(v[0]) for k, v in run.arrays.items()}
+    assert step0["token_states"] == 4 + 2
+    assert step0["reserved"] == (5 - 4) + (4 - 2)
+    assert step0["internal_frag"] == (8 - 5) + (4 - 4)
+    assert (step0["external_frag"], step0["free"]) == (2, 0)
+
+
+def test_contiguous_rejects_a_reservation_beyond_the_budget():
+    with pytest.raises(ValueError, match="kv_budget_tokens=6 must hold request 'A'"):
+        run_contiguous(_three_requests(6), "max")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 9)), max_size=40))
+def test_first_fit_chunks_never_overlap(ops):
+    space = FirstFitSpace(32)
+    live: dict[int, int] = {}
+    for do_alloc, n in ops:
+        if do_alloc or not live:
+            fits = any(length >= n for _, length in space.holes())
+            start = space.alloc(n)
+            assert (start is not None) == fits
+            if start is not None:
+                live[start] = n
+        else:
+            start = sorted(live)[n % len(live)]
+            space.free(start)
+            del live[start]
+        used = np.zeros(32, dtype=int)
+        for s, size in live.items():
+            used[s : s + size] += 1
+        assert used.max(initial=0) <= 1
+        assert space.num_allocated + sum(h for _, h in space.holes()) == 32
