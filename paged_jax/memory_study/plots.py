@@ -218,7 +218,7 @@ def plot_sharing(study: Study, path: pathlib.Path) -> None:
     lo, hi = (100 * v for v in PAPER_PARALLEL_SAMPLING_SAVING)
     a1.axhspan(lo, hi, color="grey", alpha=0.25, label="paper: parallel sampling saves 6.1-9.8%")
     a1.set_xticks(x, names, rotation=15, fontsize=8)
-    a1.set_ylabel("KV blocks saved by sharing (% of blocks needed unshared)")
+    a1.set_ylabel("blocks saved (% of unshared need)")
     a1.set_ylim(0, max(saved + [hi]) * 1.3 + 1)
     a1.legend(fontsize=8)
     a1.set_title("memory saved by sharing (time average, ref counts)", fontsize=10)
