@@ -1,0 +1,307 @@
+"""Contiguous-KV baseline: the pre-PagedAttention design, for the engine benchmark.
+
+Each admitted request reserves max_model_len token slots up front in a dense per-slot
+cache, so at a KV budget of B bytes at most B // (max_model_len * bytes_per_token)
+requests run at once, however short they are. Batching is continuous over the slots:
+
+    cache per layer: k, v f[max_concurrent, max_model_len, num_kv_heads, head_dim]
+    slot s: |prompt ... generated ...|..... reserved, never used .....|
+            ^ 0                      ^ kv_len                          ^ max_model_len
+
+Prefill runs one admitted request at a time (prompt padded to a power-of-two bucket);
+decode runs every slot at once with a fixed shape. Both are jitted once per shape and
+reuse the paged_jax model's own embedding, layers (projections, rotary, norms, MLP)
+and head; only the attention core reads the dense cache instead of the paged one.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.baselines.workload import TraceRequest
+
+MIN_PREFILL_BUCKET = 16
+
+
+def max_concurrent_for_budget(budget_bytes: int, max_model_len: int, bytes_per_token: int) -> int:
+    """Requests a contiguous cache holds at once: each reserves max_model_len token slots."""
+    per_request = max_model_len * bytes_per_token
+    if budget_bytes < per_request:
+        raise ValueError(
+            f"budget_bytes={budget_bytes!r} must hold one request's reservation of "
+            f"max_model_len={max_model_len} x {bytes_per_token} bytes = {per_request}"
+        )
+    return budget_bytes // per_request
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token's K and V take across all layers (the paged pool's per-token cost)."""
+    return int(model.kv_bytes_per_block(1))
+
+
+def _dense_cached_attention(
+    q: jax.Array,  # f[batch, q_len, num_heads, head_dim]
+    k_cache: jax.Array,  # f[batch, max_len, num_kv_heads, head_dim]
+    v_cache: jax.Array,  # f[batch, max_len, num_kv_heads, head_dim]
+    q_pos: jax.Array,  # i32[batch, q_len]
+    *,
+    scale: float,
+    sliding_window: int | None,
+) -> jax.Array:  # f[batch, q_len, num_heads, head_dim]
+    """Query at position p sees cache rows j <= p (and p - j < window); rows past it are stale."""
+    batch, q_len, num_heads, head_dim = q.shape
+    max_len, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(batch, q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    s = jnp.einsum("bqkgd,bmkd->bkgqm", qg, k_cache, preferred_element_type=jnp.float32) * scale
+    key_pos = jnp.arange(max_len, dtype=jnp.int32)
+    visible = key_pos[None, None, :] <= q_pos[:, :, None]  # bool[batch, q_len, max_len]
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(visible[:, None, None], p, 0.0)  # all-masked padding rows: 0, not NaN
+    o = jnp.einsum("bkgqm,bmkd->bqkgd", p, v_cache.astype(jnp.float32))
+    return o.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+
+
+def _forward_dense_cache(
+    model: Any,
+    token_ids: jax.Array,  # i32[batch, q_len]
+    positions: jax.Array,  # i32[batch, q_len]; >= max_len: padding (write dropped)
+    kv_caches: list[tuple[jax.Array, jax.Array]],  # per layer f[slots, max_len, kv_heads, dim]
+    rows: jax.Array | None,  # i32[batch] cache slot of each batch row; None: row b = slot b
+    logits_index: jax.Array,  # i32[batch] query row whose logits are returned
+) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:  # f32[batch, vocab], caches
+    """The model's forward with each layer's attention reading/writing a dense slot cache."""
+    x = model._embed(token_ids, positions)
+    write_rows = (rows if rows is not None else jnp.arange(token_ids.shape[0]))[:, None]
+    new_caches = []
+    for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+        attn = layer.attn
+
+        def attend(h, attn=attn, k_cache=k_cache, v_cache=v_cache):
+            q, k, v = attn._qkv(h, positions)
+            k_cache = k_cache.at[write_rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[write_rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+            k_rows, v_rows = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+            out = _dense_cached_attention(
+                q,
+                k_rows,
+                v_rows,
+                positions,
+                scale=attn.scale,
+                sliding_window=attn.sliding_window,
+            )
+            out = attn.o_proj(out.reshape(*h.shape[:-1], attn.num_heads * attn.head_dim))
+            return out, (k_cache, v_cache)
+
+        x, cache = layer._apply(x, attend)
+        new_caches.append(cache)
+    last = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
+    return model._logits(last), new_caches
+
+
+class ContiguousKVRunner:
+    """Dense per-slot KV caches on device and the jitted greedy prefill / decode steps.
+
+    Args:
+        model: a paged_jax.models model (its weights are shared, not copied).
+        max_concurrent: cache slots (requests that can run at once).
+        max_model_len: token slots reserved per request.
+    """
+
+    def __init__(self, model: Any, max_concurrent: int, max_model_len: int):
+        cfg = model.config
+        self.max_concurrent = max_concurrent
+        self.max_model_len = max_model_len
+        dtype = jnp.dtype(cfg.dtype)
+        shape = (max_concurrent, max_model_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [
+            (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.cache_bytes = 2 * cfg.num_hidden_layers * int(np.prod(shape)) * dtype.itemsize
+        graphdef, self.weights = nnx.split(model)
+
+        def prefill(weights, kv_caches, token_ids, positions, slot, last):
+            m = nnx.merge(graphdef, weights)
+            logits, kv_caches = _forward_dense_cache(
+                m, token_ids, positions, kv_caches, slot[None], last[None]
+            )
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)[0], kv_caches
+
+        def decode(weights, kv_caches, token_ids, positions):
+            m = nnx.merge(graphdef, weights)
+            zeros = jnp.zeros(token_ids.shape[0], jnp.int32)
+            logits, kv_caches = _forward_dense_cache(
+                m, token_ids[:, None], positions[:, None], kv_caches, None, zeros
+            )
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_caches
+
+        self._prefill = jax.jit(prefill, donate_argnums=(1,))
+        self._decode = jax.jit(decode, donate_argnums=(1,))
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Padded prompt lengths: powers of two from 16, then max_model_len."""
+        buckets, b = [], MIN_PREFILL_BUCKET
+        while b < self.max_model_len:
+            buckets.append(b)
+            b *= 2
+        return (*buckets, self.max_model_len)
+
+    def prefill(self, slot: int, prompt_token_ids: list[int] | tuple[int, ...]) -> int:
+        """Writes the prompt's K/V into `slot`; returns the greedy next token."""
+        n = len(prompt_token_ids)
+        bucket = next(b for b in self.prefill_buckets if b >= n)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n] = prompt_token_ids
+        positions = np.full((1, bucket), self.max_model_len, np.int32)  # padding: dropped
+        positions[0, :n] = np.arange(n)
+        token, self.kv_caches = self._prefill(
+            self.weights, self.kv_caches, tokens, positions, np.int32(slot), np.int32(n - 1)
+        )
+        return int(token)
+
+    def decode(
+        self,
+        token_ids: np.ndarray,  # i32[max_concurrent]
+        positions: np.ndarray,  # i32[max_concurrent]; max_model_len for idle slots
+    ) -> np.ndarray:  # i32[max_concurrent]
+        """One token for every slot; idle slots' results are garbage and their writes dropped."""
+        tokens, self.kv_caches = self._decode(self.weights, self.kv_caches, token_ids, positions)
+        return np.asarray(jax.device_get(tokens))
+
+    def warmup(self) -> int:
+        """Compiles every prefill bucket and the decode step; returns the count."""
+        idle = np.full(self.max_concurrent, self.max_model_len, np.int32)
+        self.decode(np.zeros(self.max_concurrent, np.int32), idle)
+        for bucket in self.prefill_buckets:
+            tokens = np.zeros((1, bucket), np.int32)
+            positions = np.full((1, bucket), self.max_model_len, np.int32)  # all writes dropped
+            _, self.kv_caches = self._prefill(
+                self.weights, self.kv_caches, tokens, positions, np.int32(0), np.int32(0)
+            )
+        jax.block_until_ready(self.kv_caches)
+        return 1 + len(self.prefill_buckets)
+
+
+@dataclasses.dataclass
+class _Slot:
+    req: TraceRequest
+    output: list[int]
+    first_token_time: float
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose K/V are in the cache (the newest sampled token is not yet)."""
+        return self.req.num_prompt_tokens + len(self.output) - 1
+
+
+@dataclasses.dataclass
+class ContiguousOutput:
+    """One finished request of the contiguous baseline."""
+
+    request_id: str
+    token_ids: list[int]
+    first_token_time: float
+    finish_time: float
+
+
+class ContiguousKVEngine:
+    """FCFS continuous batching over contiguous slots; greedy, fixed output lengths.
+
+    Each step admits waiting requests into free slots (one prefill each), then decodes
+    one token for every running request. Utilization is sampled after every step.
+
+    Args:
+        model: a paged_jax.models model.
+        budget_bytes: KV memory budget; the cache gets budget // (max_model_len * bytes/token)
+            slots.
+        max_model_len: token slots each request reserves.
+    """
+
+    def __init__(self, model: Any, budget_bytes: int, max_model_len: int):
+        self.bytes_per_token = kv_bytes_per_token(model)
+        self.max_concurrent = max_concurrent_for_budget(
+            budget_bytes, max_model_len, self.bytes_per_token
+        )
+        self.max_model_len = max_model_len
+        self.runner = ContiguousKVRunner(model, self.max_concurrent, max_model_len)
+        self.waiting: collections.deque[TraceRequest] = collections.deque()
+        self.slots: list[_Slot | None] = [None] * self.max_concurrent
+        self.num_steps = 0
+        self.max_running = 0
+        self.used_token_slots = 0  # summed over steps
+        self.reserved_token_slots = 0  # summed over steps
+
+    def add_request(self, req: TraceRequest) -> None:
+        """Queues a request; its prompt + output must fit max_model_len."""
+        if req.num_prompt_tokens + req.num_output_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.num_prompt_tokens} + "
+                f"{req.num_output_tokens} tokens: must be <= max_model_len={self.max_model_len}"
+            )
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(s is not None for s in self.slots)
+
+    @property
+    def num_running(self) -> int:
+        return sum(s is not None for s in self.slots)
+
+    def reserved_tokens(self) -> int:
+        """Token slots reserved now: max_model_len per running request."""
+        return self.num_running * self.max_model_len
+
+    def used_tokens(self) -> int:
+        """Token slots holding a token's K/V now."""
+        return sum(s.kv_len for s in self.slots if s is not None)
+
+    def _finish_done(self, finished: list[ContiguousOutput]) -> None:
+        now = time.perf_counter()
+        for i, s in enumerate(self.slots):
+            if s is not None and len(s.output) >= s.req.num_output_tokens:
+                finished.append(
+                    ContiguousOutput(s.req.request_id, s.output, s.first_token_time, now)
+                )
+                self.slots[i] = None
+
+    def step(self) -> list[ContiguousOutput]:
+        """Admits and prefills what fits, then one decode step; returns finished requests."""
+        finished: list[ContiguousOutput] = []
+        for i in range(self.max_concurrent):
+            if self.slots[i] is None and self.waiting:
+                req = self.waiting.popleft()
+                token = self.runner.prefill(i, req.prompt_token_ids)
+                self.slots[i] = _Slot(req, [token], time.perf_counter())
+        self._finish_done(finished)
+        self.max_running = max(self.max_running, self.num_running)
+        if self.num_running:
+            tokens = np.zeros(self.max_concurrent, np.int32)
+            positions = np.full(self.max_concurrent, self.max_model_len, np.int32)
+            for i, s in enumerate(self.slots):
+                if s is not None:
+                    tokens[i], positions[i] = s.output[-1], s.kv_len
+            sampled = self.runner.decode(tokens, positions)
+            for i, s in enumerate(self.slots):
+                if s is not None:
+                    s.output.append(int(sampled[i]))
+        self.used_token_slots += self.used_tokens()
+        self.reserved_token_slots += self.reserved_tokens()
+        self._finish_done(finished)
+        self.num_steps += 1
+        return finished
+
+    @property
+    def kv_utilization(self) -> float:
+        """Token slots holding tokens / token slots reserved, both summed over steps."""
+        return self.used_token_slots / max(1, self.reserved_token_slots)

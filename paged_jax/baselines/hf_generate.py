@@ -1,0 +1,165 @@
+"""Hugging Face transformers baseline: static batches, left padding, greedy generate (torch).
+
+Requests are taken in trace order, batch_size at a time. Every row of a batch is padded
+to the batch's longest prompt and runs for the batch's longest output, so short requests
+hold their rows (and KV) until the whole batch ends: that waste is what is measured.
+torch and transformers are imported inside the functions only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import time
+from typing import Any
+
+from paged_jax.baselines.workload import TraceRequest
+
+# A small Llama for the benchmark: hidden 256, 4 layers, 8 query / 4 KV heads of dim 32.
+BENCH_LLAMA_CONFIG: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def build_random_llama(
+    directory: str | pathlib.Path, *, seed: int = 0, **config_overrides: Any
+) -> pathlib.Path:
+    """Writes a seeded random-weight Llama checkpoint (safetensors) to `directory`.
+
+    Weights are N(0, 0.05^2) and norm scales 1 + N(0, 0.05^2), larger than HF's init so
+    the logits are well separated and greedy decoding is not decided by rounding.
+    """
+    import torch
+    import transformers
+
+    directory = pathlib.Path(directory)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**BENCH_LLAMA_CONFIG, **config_overrides})
+    model = transformers.LlamaForCausalLM(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in model.named_parameters():
+            noise = 0.05 * torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + noise if param.ndim == 1 else noise)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+@dataclasses.dataclass
+class HFResult:
+    """What the HF baseline measured.
+
+    Attributes:
+        outputs: request id -> the requested number of generated tokens.
+        elapsed_s: wall time of all batches (warmup excluded).
+        batch_size: rows per static batch (the most sequences in flight).
+        kv_utilization: over all decode steps, token slots of unfinished requests /
+            token slots of the padded batch cache (rows x (padded prompt + step)).
+        num_generated_tokens: tokens generated including the padding-induced extra ones.
+    """
+
+    outputs: dict[str, list[int]]
+    elapsed_s: float
+    batch_size: int
+    kv_utilization: float
+    num_generated_tokens: int
+
+
+def static_batch_utilization(batch: list[TraceRequest]) -> tuple[int, int]:
+    """(used, reserved) token slots of one static batch, summed over its decode steps.
+
+    After step t (t = 1 .. max output) the padded cache has prompt_max + t - 1 columns per
+    row; a request still generating (t <= its output length) holds p + t - 1 useful ones.
+    """
+    prompt_max = max(r.num_prompt_tokens for r in batch)
+    steps = max(r.num_output_tokens for r in batch)
+    used = reserved = 0
+    for t in range(1, steps + 1):
+        reserved += len(batch) * (prompt_max + t - 1)
+        used += sum(r.num_prompt_tokens + t - 1 for r in batch if r.num_output_tokens >= t)
+    return used, reserved
+
+
+def _generate_batch(model: Any, batch: list[TraceRequest], pad_token_id: int, gen_config: Any):
+    import torch
+
+    width = max(r.num_prompt_tokens for r in batch)
+    ids = torch.full((len(batch), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for i, r in enumerate(batch):  # left padding: the last prompt token is in the last column
+        ids[i, width - r.num_prompt_tokens :] = torch.tensor(r.prompt_token_ids)
+        mask[i, width - r.num_prompt_tokens :] = 1
+    gen_config.max_new_tokens = max(r.num_output_tokens for r in batch)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_config)
+    return out[:, width:]
+
+
+def run_hf_generate(
+    model_path: str | pathlib.Path,
+    trace: list[TraceRequest],
+    batch_size: int,
+    *,
+    dtype: str = "float32",
+    num_threads: int | None = None,
+) -> HFResult:
+    """Greedy generate over the trace in static batches of `batch_size` (EOS ignored).
+
+    Args:
+        model_path: Hugging Face checkpoint directory.
+        trace: the requests, taken in order.
+        batch_size: rows per static batch.
+        dtype: torch dtype name of the weights.
+        num_threads: torch intra-op threads while it runs (restored after); None keeps
+            torch's default. On a shared, oversubscribed CPU torch's OpenMP pool can be
+            several times slower with more threads than free cores.
+
+    Returns:
+        The measured HFResult; one small batch is run first as an untimed warmup.
+    """
+    import copy
+
+    import torch
+    import transformers
+
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be >= 1")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=getattr(torch, dtype)
+    ).eval()
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.do_sample = False
+    gen_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    gen_config.pad_token_id = pad
+    gen_config.min_new_tokens = None
+    old_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        _generate_batch(model, trace[: min(2, len(trace))], pad, gen_config)  # warmup
+        outputs: dict[str, list[int]] = {}
+        used = reserved = generated = 0
+        start = time.perf_counter()
+        for b in range(0, len(trace), batch_size):
+            batch = trace[b : b + batch_size]
+            new_tokens = _generate_batch(model, batch, pad, gen_config)
+            generated += new_tokens.numel()
+            for i, r in enumerate(batch):
+                outputs[r.request_id] = new_tokens[i, : r.num_output_tokens].tolist()
+            u, rsv = static_batch_utilization(batch)
+            used, reserved = used + u, reserved + rsv
+        elapsed = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(old_threads)
+    return HFResult(outputs, elapsed, batch_size, used / max(1, reserved), generated)
