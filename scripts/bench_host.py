@@ -77,6 +77,14 @@ def run(args: argparse.Namespace) -> dict:
         num_system_prompts=args.num_system_prompts,
         max_model_len=args.max_model_len,
     )
+    # A request that cannot fit the pool on its own would never finish (FCFS loops).
+    longest = max(len(prompt) + out for prompt, out in trace)
+    min_blocks = -(-longest // args.block_size) + 1  # + the null block
+    if args.num_blocks < min_blocks:
+        raise SystemExit(
+            f"--num-blocks={args.num_blocks} must be >= {min_blocks}: the longest request "
+            f"has {longest} tokens and could never run"
+        )
     kv = KVCacheManager(
         args.num_blocks,
         args.block_size,
