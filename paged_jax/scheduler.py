@@ -183,8 +183,7 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            num_blocks_before = len(self.kv.get_block_ids(req))
-            while self.kv.allocate_slots(req, num_new) is None:
+            while (new_blocks := self.kv.allocate_slots(req, num_new)) is None:
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_new_tokens
@@ -194,9 +193,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            new_ids = self.kv.get_block_ids(req)[num_blocks_before:]
-            if new_ids:
-                out.new_block_ids[req.request_id] = list(new_ids)
+            if new_blocks.blocks[0]:
+                out.new_block_ids[req.request_id] = [b.block_id for b in new_blocks.blocks[0]]
             scheduled[req.request_id] = ScheduledSeq(
                 req.request_id, req.num_computed_tokens, num_new, req.num_output_tokens
             )
