@@ -96,6 +96,19 @@ def run_paged(
     num_compiles = engine.warmup()
     warmup_s = time.perf_counter() - t0
     manager = engine.kv_cache_manager
+    device_s = [0.0]
+    computed = [0, 0]  # real, padded tokens through the model (recomputation included)
+    execute = engine.runner.execute
+
+    def timed_execute(step_input):  # jitted step incl. the host copy of its samples
+        t = time.perf_counter()
+        result = execute(step_input)
+        device_s[0] += time.perf_counter() - t
+        computed[0] += step_input.num_tokens
+        computed[1] += step_input.token_ids.shape[0]
+        return result
+
+    engine.runner.execute = timed_execute
     start = time.perf_counter()
     for r in trace:
         params = SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
@@ -130,6 +143,9 @@ def run_paged(
             "warmup_s": warmup_s,
             "num_warmup_shapes": num_compiles,
             "num_steps": stats["num_steps"],
+            "runner_execute_s": device_s[0],
+            "num_computed_tokens": computed[0],
+            "num_padded_tokens": computed[1],
             "median_step_ms": stats["step_time_ms"],
             "num_preemptions": stats["num_preemptions"],
             "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
