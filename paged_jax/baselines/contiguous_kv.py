@@ -241,6 +241,8 @@ class ContiguousKVEngine:
         self.max_running = 0
         self.used_token_slots = 0  # summed over steps
         self.reserved_token_slots = 0  # summed over steps
+        self.num_computed_tokens = 0  # real token rows through the model
+        self.num_padded_tokens = 0  # rows including bucket padding and idle decode slots
 
     def add_request(self, req: TraceRequest) -> None:
         """Queues a request; its prompt + output must fit max_model_len."""
@@ -282,6 +284,10 @@ class ContiguousKVEngine:
             if self.slots[i] is None and self.waiting:
                 req = self.waiting.popleft()
                 token = self.runner.prefill(i, req.prompt_token_ids)
+                self.num_computed_tokens += req.num_prompt_tokens
+                self.num_padded_tokens += next(
+                    b for b in self.runner.prefill_buckets if b >= req.num_prompt_tokens
+                )
                 self.slots[i] = _Slot(req, [token], time.perf_counter())
         self._finish_done(finished)
         self.max_running = max(self.max_running, self.num_running)
@@ -292,6 +298,8 @@ class ContiguousKVEngine:
                 if s is not None:
                     tokens[i], positions[i] = s.output[-1], s.kv_len
             sampled = self.runner.decode(tokens, positions)
+            self.num_computed_tokens += self.num_running
+            self.num_padded_tokens += self.max_concurrent
             for i, s in enumerate(self.slots):
                 if s is not None:
                     s.output.append(int(sampled[i]))

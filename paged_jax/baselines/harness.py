@@ -184,6 +184,8 @@ def run_contiguous(
             "warmup_s": warmup_s,
             "num_warmup_shapes": num_compiles,
             "num_steps": engine.num_steps,
+            "num_computed_tokens": engine.num_computed_tokens,
+            "num_padded_tokens": engine.num_padded_tokens,
         },
     )
 
