@@ -137,9 +137,11 @@ def run_hf_generate(
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_path, dtype=getattr(torch, dtype)
     ).eval()
+    # ignore_eos: every row runs to max_new_tokens. generate() fills a None in the given
+    # config from model.generation_config, so EOS has to be unset there too.
+    model.generation_config.eos_token_id = None
     gen_config = copy.deepcopy(model.generation_config)
     gen_config.do_sample = False
-    gen_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     gen_config.pad_token_id = pad
     gen_config.min_new_tokens = None

@@ -89,3 +89,15 @@ def test_greedy_tokens_equal_paged_engine(tiny_llama):
         want.update((o.request_id, o.token_ids) for o in engine.step())
     assert got == want
     assert [len(got[r.request_id]) for r in trace] == [8, 6, 7]
+
+
+def test_hf_baseline_ignores_eos(tiny_hf_checkpoint):
+    from paged_jax.baselines.hf_generate import run_hf_generate
+
+    trace = [_req(0, 6, 8), _req(1, 3, 5)]
+    plain = run_hf_generate(tiny_hf_checkpoint("llama"), trace, 2).outputs
+    # Same seeded weights, but EOS is now a token the greedy output contains: it must not stop.
+    eos = plain["r0"][2]
+    again = run_hf_generate(tiny_hf_checkpoint("llama", eos_token_id=eos), trace, 2).outputs
+    assert again == plain
+    assert [len(again["r0"]), len(again["r1"])] == [8, 5]
