@@ -151,3 +151,33 @@ def hf_logits():
         return out.logits.float().numpy()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """Callable `(path, prompt ids, max_new) -> generated ids`: transformers' greedy generate.
+
+    Stops at EOS like the engine; models are cached per path.
+    """
+    models: dict[str, Any] = {}
+
+    def run(path: pathlib.Path, prompt: list[int], max_new: int) -> list[int]:
+        import torch
+        import transformers
+
+        if str(path) not in models:
+            models[str(path)] = transformers.AutoModelForCausalLM.from_pretrained(
+                path, attn_implementation="eager", dtype=torch.float32
+            ).eval()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = models[str(path)].generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        return out[0, len(prompt) :].tolist()
+
+    return run

@@ -11,29 +11,6 @@ from paged_jax.models import load_model
 from paged_jax.sampling_params import SamplingParams
 
 MAX_NEW = 8
-_HF_MODELS: dict = {}
-
-
-def hf_greedy(path, prompt: list[int], max_new: int) -> list[int]:
-    """transformers' greedy continuation (stops at EOS like the engine does)."""
-    import torch
-    import transformers
-
-    if str(path) not in _HF_MODELS:
-        _HF_MODELS[str(path)] = transformers.AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation="eager", dtype=torch.float32
-        ).eval()
-    model = _HF_MODELS[str(path)]
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +28,7 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def expected(llama_dir, prompts):
+def expected(llama_dir, prompts, hf_greedy):
     return [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
 
 

@@ -15,23 +15,6 @@ from paged_jax.sampling_params import SamplingParams
 SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 
 
-def hf_greedy(path, prompt, max_new):
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_hf_checkpoint, tmp_path_factory):
     """A tiny Llama whose vocabulary covers the byte tokenizer, with tokenizer.json beside it."""
@@ -47,7 +30,7 @@ def llm(model_dir):
     return LLM(str(model_dir), **SMALL)
 
 
-def test_string_and_token_prompts_match_transformers(llm, model_dir):
+def test_string_and_token_prompts_match_transformers(llm, model_dir, hf_greedy):
     texts = ["Hello paged world", "a", "The block table maps logical blocks to physical ones."]
     params = SamplingParams(temperature=0, max_tokens=6)
     outs = llm.generate(texts + [[5, 6, 7, 8, 9]], params, use_tqdm=False)
