@@ -79,10 +79,16 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
         meta.seeds, meta.counters
     )
-    sampled = jax.vmap(_sample_row)(
-        logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys
-    )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # The per-row sort behind top-k/top-p is the sampler's cost; an all-greedy batch
+    # skips it at run time (both branches are compiled once, so shapes stay static).
+    sampled = jax.lax.cond(
+        jnp.any(meta.temperature > 0),
+        lambda: jax.vmap(_sample_row)(
+            logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys
+        ),
+        lambda: greedy,
+    )
     token_ids = jnp.where(meta.temperature > 0, sampled, greedy)
     token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     k = min(MAX_LOGPROBS, logits.shape[-1])
