@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -84,3 +85,11 @@ def test_pallas_kernels_in_interpret_mode_match(llama_dir, prompts, expected):
         max_num_seqs=8,
     )
     assert got == [expected[i] for i in few]
+
+
+@pytest.mark.gpu
+def test_pallas_kernels_on_gpu_match(llama_dir, prompts, expected):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs an NVIDIA GPU (compiles the Pallas kernels with Triton)")
+    got = run_engine(llama_dir, prompts, attention_backend="pallas", num_kv_blocks=20)
+    assert got == expected
