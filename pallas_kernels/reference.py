@@ -21,6 +21,8 @@ from pallas_kernels.validation import (
 # Tokens attended per lax.map step in the ragged reference: bounds the gathered K/V to
 # chunk * context instead of num_tokens * context.
 _RAGGED_CHUNK = 16
+# Context tokens gathered per step of the loop over a row group's keys.
+_KV_CHUNK_TOKENS = 128
 
 
 def _attend_rows(
@@ -28,41 +30,74 @@ def _attend_rows(
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     block_rows,  # i32[n, max_blocks_per_seq]: each query row's block table
-    positions,  # i32[n]: each row's position; it sees keys in (pos - window, pos]
+    positions,  # i32[n]: each row's position; it sees keys in (pos - window, pos]; -1 = none
     *,
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
 ):  # -> f32[n, num_q_heads, head_dim]
+    """Masked attention of n query rows over their block tables, f32 accumulation.
+
+    The context is gathered and attended in chunks of _KV_CHUNK_TOKENS keys, merged with
+    a running max and sum (exactly the dense softmax up to rounding). Only the chunks
+    that hold a key some row can see are visited: a dynamic loop bound keeps the work
+    proportional to the rows' real context, not to the block table's padded width.
+    """
     n, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    context = block_rows.shape[1] * block_size
-
-    def gather(cache):  # -> f[n, num_kv_heads, context, head_dim]
-        pages = cache[block_rows]  # f[n, max_blocks, num_kv_heads, block_size, head_dim]
-        pages = pages.transpose(0, 2, 1, 3, 4)
-        return pages.reshape(n, num_kv_heads, context, head_dim)
-
-    key_pos = jnp.arange(context, dtype=jnp.int32)
-    visible = key_pos[None, :] <= positions[:, None]  # bool[n, context]
-    if sliding_window is not None:
-        visible &= key_pos[None, :] > positions[:, None] - sliding_window
-    k = gather(k_cache)
-    # Zero V outside the visible range: a masked probability of 0 times a NaN/inf in an
-    # unused slot (or the null block) would otherwise still poison the output.
-    v = jnp.where(visible[:, None, :, None], gather(v_cache), 0)
+    blocks_per_chunk = max(1, min(block_rows.shape[1], _KV_CHUNK_TOKENS // block_size))
+    num_chunks = -(-block_rows.shape[1] // blocks_per_chunk)
+    # Pad with the null block: its keys sit past every position, so they are masked.
+    block_rows = jnp.pad(
+        block_rows, ((0, 0), (0, num_chunks * blocks_per_chunk - block_rows.shape[1]))
+    )
+    chunk_tokens = blocks_per_chunk * block_size
     qg = q.reshape(n, num_kv_heads, group, head_dim)
-    s = jnp.einsum("nhgd,nhkd->nhgk", qg, k, preferred_element_type=jnp.float32) * scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = visible[:, None, None, :]
-    s = jnp.where(mask, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    p = p / jnp.where(denom > 0, denom, 1.0)  # rows that see nothing give exactly 0
-    o = jnp.einsum("nhgk,nhkd->nhgd", p, v.astype(jnp.float32))
+
+    def gather(cache, blocks):  # -> f[n, num_kv_heads, chunk_tokens, head_dim]
+        pages = cache[blocks]  # f[n, blocks_per_chunk, num_kv_heads, block_size, head_dim]
+        pages = pages.transpose(0, 2, 1, 3, 4)
+        return pages.reshape(n, num_kv_heads, chunk_tokens, head_dim)
+
+    def step(c, carry):
+        m, denom, acc = carry  # f32[n, kv_heads, group] x2, f32[n, kv_heads, group, head_dim]
+        blocks = jax.lax.dynamic_slice_in_dim(block_rows, c * blocks_per_chunk, blocks_per_chunk, 1)
+        key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        visible = key_pos[None, :] <= positions[:, None]  # bool[n, chunk_tokens]
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > positions[:, None] - sliding_window
+        k = gather(k_cache, blocks)
+        # Zero V outside the visible range: a masked probability of 0 times a NaN/inf in
+        # an unused slot (or the null block) would otherwise still poison the output.
+        v = jnp.where(visible[:, None, :, None], gather(v_cache, blocks), 0)
+        s = jnp.einsum("nhgd,nhkd->nhgk", qg, k, preferred_element_type=jnp.float32) * scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = visible[:, None, None, :]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        denom = denom * alpha + jnp.sum(p, axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("nhgk,nhkd->nhgd", p, v.astype(jnp.float32))
+        return m_new, denom, acc
+
+    # Chunks [first, last] hold every key some row sees; rows at position -1 see none.
+    valid = positions >= 0
+    last = jnp.max(jnp.where(valid, positions, -1)) // chunk_tokens
+    first = jnp.zeros((), jnp.int32)
+    if sliding_window is not None:
+        lowest = jnp.min(jnp.where(valid, positions - sliding_window + 1, jnp.iinfo(jnp.int32).max))
+        first = jnp.maximum(lowest, 0) // chunk_tokens
+    init = (
+        jnp.full((n, num_kv_heads, group), -jnp.inf, jnp.float32),
+        jnp.zeros((n, num_kv_heads, group), jnp.float32),
+        jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(first, last + 1, step, init)
+    o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that see nothing give exactly 0
     return o.reshape(n, num_q_heads, head_dim)
 
 
