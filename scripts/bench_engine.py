@@ -1,6 +1,6 @@
 """Engine benchmark: paged-jax vs a contiguous-KV JAX baseline vs HF static-batch generate.
 
-    python scripts/bench_engine.py                       # built-in random Llama, ~3 min on CPU
+    python scripts/bench_engine.py                       # built-in random Llama, ~2 min on CPU
     python scripts/bench_engine.py --num-requests 8 --systems paged,contiguous
 
 Prints a table and writes JSON (--output). See docs/engine_benchmark.md.
@@ -30,16 +30,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output", default="bench_results/bench_engine.json")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     w = p.add_argument_group("workload (ShareGPT-like, log-normal lengths)")
-    w.add_argument("--num-requests", type=int, default=200)
-    w.add_argument("--input-median", type=float, default=32.0)
+    w.add_argument("--num-requests", type=int, default=100)
+    w.add_argument("--input-median", type=float, default=128.0)
     w.add_argument("--input-sigma", type=float, default=0.8)
-    w.add_argument("--input-max", type=int, default=256)
-    w.add_argument("--output-median", type=float, default=48.0)
+    w.add_argument("--input-max", type=int, default=480)
+    w.add_argument("--output-median", type=float, default=256.0)
     w.add_argument("--output-sigma", type=float, default=0.8)
-    w.add_argument("--output-max", type=int, default=224)
+    w.add_argument("--output-max", type=int, default=500)
     w.add_argument("--seed", type=int, default=0)
     e = p.add_argument_group("KV budget and engine")
-    e.add_argument("--max-model-len", type=int, default=512)
+    e.add_argument("--max-model-len", type=int, default=1024)
     e.add_argument(
         "--kv-budget-bytes",
         type=int,
