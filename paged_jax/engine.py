@@ -193,50 +193,12 @@ class Engine:
         out = sched.schedule()
         # Requests the scheduler ended on its own (they can never fit) report their error.
         finished = [self._finish(req) for req in out.errored]
-        batch = self.input_batch
-        for req_id in out.removed_req_ids:
-            if req_id in batch.row_of:
-                batch.remove_request(req_id)
-        for req_id, block_ids in out.swap_out:
-            self.runner.swap_out(req_id, block_ids)
-        for row in out.new_rows:
-            st = self._states[row.req_id]
-            req = sched.requests[row.req_id]
-            if req.num_preemptions == 0:
-                self._num_cached_tokens[row.req_id] = row.num_computed_tokens
-            batch.add_request(
-                row.req_id,
-                row.token_ids,
-                row.block_ids,
-                st.params,
-                st.seed,
-                min_tokens_stop_ids=self._min_tokens_stop_ids(st.params),
-            )
-        for req_id, block_ids in out.new_block_ids.items():
-            batch.append_block_ids(req_id, block_ids)
-        for req_id, block_ids in out.swap_in:
-            self.runner.swap_in(req_id, block_ids)
+        self._apply_to_device_state(out)
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         if not out.scheduled:
             return finished
-        result = self.runner.execute(batch.prepare(out.scheduled))
-        now = time.time()
-        sampled: dict[str, int] = {}
-        for i, seq in enumerate(out.scheduled):
-            req = sched.requests[seq.req_id]
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            token = int(result.token_ids[i])
-            sampled[seq.req_id] = token
-            st = self._states[seq.req_id]
-            if st.first_token_time is None:
-                st.first_token_time = now
-            if st.logprobs is not None:
-                entry = {token: float(result.logprobs[i])}
-                k = st.params.logprobs
-                for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
-                    entry[int(tid)] = float(lp)
-                st.logprobs.append(entry)
+        result = self.runner.execute(self.input_batch.prepare(out.scheduled))
+        sampled = self._record_samples(out, result)
         done = sched.update_from_output(out, sampled, self.eos_token_ids)
         done_ids = {r.request_id for r in done}
         for req in done:
@@ -244,6 +206,7 @@ class Engine:
             token = sampled[req.request_id]
             if req.status == RequestStatus.FINISHED_STOPPED and token in st.params.stop_token_ids:
                 st.stop_reason = token
+        batch = self.input_batch
         for req_id, token in sampled.items():
             if req_id in done_ids:
                 continue
@@ -263,6 +226,56 @@ class Engine:
         return finished
 
     # ------------------------------------------------------------ helpers
+    def _apply_to_device_state(self, out) -> None:
+        """Mirror a SchedulerOutput into the input batch rows and the KV swap space.
+
+        Order matters: rows of removed requests go first, swap-outs read their blocks
+        before anything can reuse them, and swap-ins fill fresh blocks before the step.
+        """
+        batch = self.input_batch
+        for req_id in out.removed_req_ids:
+            if req_id in batch.row_of:
+                batch.remove_request(req_id)
+        for req_id, block_ids in out.swap_out:
+            self.runner.swap_out(req_id, block_ids)
+        for row in out.new_rows:
+            st = self._states[row.req_id]
+            if self.scheduler.requests[row.req_id].num_preemptions == 0:
+                self._num_cached_tokens[row.req_id] = row.num_computed_tokens
+            batch.add_request(
+                row.req_id,
+                row.token_ids,
+                row.block_ids,
+                st.params,
+                st.seed,
+                min_tokens_stop_ids=self._min_tokens_stop_ids(st.params),
+            )
+        for req_id, block_ids in out.new_block_ids.items():
+            batch.append_block_ids(req_id, block_ids)
+        for req_id, block_ids in out.swap_in:
+            self.runner.swap_in(req_id, block_ids)
+
+    def _record_samples(self, out, result) -> dict[str, int]:
+        """req_id -> sampled token for sequences that reached their end; logprobs, TTFT."""
+        now = time.time()
+        sampled: dict[str, int] = {}
+        for i, seq in enumerate(out.scheduled):
+            req = self.scheduler.requests[seq.req_id]
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            token = int(result.token_ids[i])
+            sampled[seq.req_id] = token
+            st = self._states[seq.req_id]
+            if st.first_token_time is None:
+                st.first_token_time = now
+            if st.logprobs is not None:
+                entry = {token: float(result.logprobs[i])}
+                k = st.params.logprobs
+                for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
+                    entry[int(tid)] = float(lp)
+                st.logprobs.append(entry)
+        return sampled
+
     def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
         if params.min_tokens == 0:
             return []
