@@ -5,8 +5,9 @@
 
 Prints the max |logit diff| of the dense forward over every prompt position, top-1
 agreement, the paged-forward (prefill then decode) logit diff against transformers'
-incremental decode, and how many greedy tokens agree. Exits 1 when a logit diff exceeds
---atol. Needs torch + transformers (the test extra); paged-jax itself does not.
+incremental decode, and how many greedy tokens agree, both for the paged forward and
+for the full engine (scheduler, block manager, bucketed jitted step, device sampler).
+Exits 1 when a logit diff exceeds --atol. Needs torch + transformers (the test extra); paged-jax itself does not.
 """
 
 from __future__ import annotations
@@ -67,6 +68,32 @@ def hf_reference(model_dir: pathlib.Path, prompts: list[list[int]], dtype: str, 
     return results
 
 
+def engine_greedy(
+    model, prompts: list[list[int]], max_new: int, block_size: int
+) -> list[list[int]]:
+    """Greedy continuations through the paged-jax engine (EOS ignored, like the reference)."""
+    from paged_jax.config import EngineConfig
+    from paged_jax.engine import Engine
+    from paged_jax.sampling_params import SamplingParams
+
+    max_len = min(model.config.max_position_embeddings, max(map(len, prompts)) + max_new + 1)
+    config = EngineConfig(
+        block_size=block_size,
+        max_model_len=max_len,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        attention_backend=model.attention_backend,
+    )
+    engine = Engine(model, config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o.token_ids for o in engine.step()})
+    return [outs[str(i)] for i in range(len(prompts))]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=pathlib.Path, required=True, help="HF checkpoint dir")
@@ -90,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
         model, prompts, args.max_new_tokens, block_size=args.block_size
     )
 
-    dense_diff, paged_diff, top1, positions, matched = 0.0, 0.0, 0, 0, 0
+    from_engine = engine_greedy(model, prompts, args.max_new_tokens, args.block_size)
+
+    dense_diff, paged_diff, top1, positions, matched, engine_matched = 0.0, 0.0, 0, 0, 0, 0
     print(f"model: {args.model} ({model.config.model_type}, {args.dtype})")
-    print("prompt  len  dense_diff  top1   paged_diff  greedy_match")
+    print("prompt  len  dense_diff  top1   paged_diff  greedy_match  engine_match")
     for i, prompt in enumerate(prompts):
         hf_logits, hf_tokens, hf_steps = reference[i]
         ours = np.asarray(model(np.asarray([prompt], np.int32)))[0]
@@ -104,9 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             args.max_new_tokens,
         )
         step_diff = float(np.abs(paged_logits[i][: same + 1] - hf_steps[: same + 1]).max())
+        engine_same = next(
+            (j for j, (a, b) in enumerate(zip(from_engine[i], hf_tokens)) if a != b),
+            args.max_new_tokens,
+        )
+        engine_matched += engine_same
         print(
             f"{i:6d} {len(prompt):4d}  {diff:10.3e}  {agree:2d}/{len(prompt):<2d}  "
-            f"{step_diff:10.3e}  {same}/{args.max_new_tokens}"
+            f"{step_diff:10.3e}  {same:>5d}/{args.max_new_tokens:<6d} "
+            f"{engine_same:>5d}/{args.max_new_tokens}"
         )
         dense_diff, paged_diff = max(dense_diff, diff), max(paged_diff, step_diff)
         top1, positions, matched = top1 + agree, positions + len(prompt), matched + same
@@ -115,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"max |logit diff| paged: {paged_diff:.3e}")
     print(f"top-1 agreement: {top1}/{positions} ({top1 / positions:.2%})")
     print(f"greedy continuation match: {matched}/{total} tokens")
+    print(f"engine greedy continuation match: {engine_matched}/{total} tokens")
     worst = max(dense_diff, paged_diff)
     if worst > atol:
         print(f"FAIL: max |logit diff| {worst:.3e} > atol {atol:g}")

@@ -32,6 +32,7 @@ def test_compare_hf_passes_on_generated_prompts(compare_main, tiny_hf_checkpoint
     out = capsys.readouterr().out
     assert "max |logit diff| dense:" in out and "max |logit diff| paged:" in out
     assert "top-1 agreement: 15/15" in out and "greedy continuation match: 6/6" in out
+    assert "engine greedy continuation match: 6/6" in out
 
 
 def test_compare_hf_text_prompts_and_failing_tolerance(
