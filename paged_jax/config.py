@@ -13,7 +13,8 @@ MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for `a` tokens of `b` per block."""
     return -(-a // b)
 
 
@@ -127,7 +128,7 @@ class EngineConfig:
         """Block-table width: enough blocks for max_model_len tokens."""
         if self.max_model_len is None:
             raise ValueError("EngineConfig.max_model_len=None must be resolved before use")
-        return _cdiv(self.max_model_len, self.block_size)
+        return cdiv(self.max_model_len, self.block_size)
 
     @property
     def token_buckets(self) -> tuple[int, ...]:

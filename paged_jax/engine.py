@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.config import EngineConfig
+from paged_jax.config import EngineConfig, cdiv
 from paged_jax.input_batch import InputBatch
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import Request, RequestStatus
@@ -162,7 +162,7 @@ class Engine:
                 f"len(prompt_token_ids)={req.num_prompt_tokens} must be < max_model_len="
                 f"{max_len} (room for at least one generated token)"
             )
-        need = -(-(req.num_prompt_tokens + 1) // self.config.block_size)
+        need = cdiv(req.num_prompt_tokens + 1, self.config.block_size)
         if need > self.kv_cache_manager.num_usable_blocks:
             raise ValueError(
                 f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "

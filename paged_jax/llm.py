@@ -66,14 +66,13 @@ class LLM:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        self.engine = Engine(self.model, config, detokenize=self._decode_or_none())
+        self.engine = Engine(
+            self.model, config, detokenize=None if self.tokenizer is None else self.decode
+        )
         self.config = self.engine.config
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()
-
-    def _decode_or_none(self):
-        return None if self.tokenizer is None else self.decode
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -16,14 +16,10 @@ import dataclasses
 import heapq
 import itertools
 
-from paged_jax.config import EngineConfig
+from paged_jax.config import EngineConfig, cdiv
 from paged_jax.input_batch import ScheduledSeq
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import Request, RequestStatus
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass
@@ -159,7 +155,7 @@ class Scheduler:
             return (
                 f"the request's {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
             )
-        need = _cdiv(req.num_tokens, self.block_size)
+        need = cdiv(req.num_tokens, self.block_size)
         if need > self.num_usable_blocks:
             return (
                 f"the request's {req.num_tokens} tokens need {need} KV blocks but the pool "
@@ -228,7 +224,7 @@ class Scheduler:
                 num_computed = swapped_tokens
                 block_ids = list(self.kv.get_block_ids(req))
                 out.swap_in.append(
-                    (req.request_id, block_ids[: _cdiv(swapped_tokens, self.block_size)])
+                    (req.request_id, block_ids[: cdiv(swapped_tokens, self.block_size)])
                 )
                 del self.swapped[req.request_id]
             else:
@@ -266,7 +262,7 @@ class Scheduler:
         self.running.remove(req)
         if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
             num_saved = req.num_computed_tokens
-            block_ids = list(self.kv.get_block_ids(req))[: _cdiv(num_saved, self.block_size)]
+            block_ids = list(self.kv.get_block_ids(req))[: cdiv(num_saved, self.block_size)]
             out.swap_out.append((req.request_id, block_ids))
             self.swapped[req.request_id] = num_saved
         else:
