@@ -7,9 +7,9 @@ configs). `LLM` and `Engine` load jax on first access.
 
 from __future__ import annotations
 
-from paged_jax.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from paged_jax.config import EngineConfig
-from paged_jax.hashing import (
+from paged_jax.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from paged_jax.core.hashing import (
     NONE_HASH,
     BlockHash,
     BlockHasher,
@@ -17,9 +17,10 @@ from paged_jax.hashing import (
     hash_block_tokens,
     none_hash,
 )
-from paged_jax.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from paged_jax.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from paged_jax.core.request import Request, RequestStatus
+from paged_jax.model_api import PagedModel, PagedModelConfig
 from paged_jax.outputs import CompletionOutput, RequestOutput
-from paged_jax.request import Request, RequestStatus
 from paged_jax.sampling_params import SamplingParams
 
 
@@ -41,6 +42,8 @@ __all__ = [
     "CompletionOutput",
     "Engine",
     "EngineConfig",
+    "PagedModel",
+    "PagedModelConfig",
     "RequestOutput",
     "SamplingParams",
     "NONE_HASH",

@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 
 from paged_jax.config import EngineConfig, cdiv
-from paged_jax.input_batch import InputBatch
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request, RequestStatus
-from paged_jax.runner import Runner, num_backend_compiles
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, RequestStatus
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.model_api import check_paged_model
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.runner import Runner, num_backend_compiles
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -79,7 +80,8 @@ class Engine:
     """Continuous-batching engine over one model.
 
     Args:
-        model: a paged_jax.models model (see paged_jax.models.load_model).
+        model: any object satisfying ``paged_jax.PagedModel`` (every paged_jax.models
+            model does; see docs/research_integration.md for your own).
         config: engine settings; max_model_len None takes the model's.
         detokenize: optional token ids -> text function, needed for stop strings.
     """
@@ -91,6 +93,7 @@ class Engine:
         *,
         detokenize: Callable[[Sequence[int]], str] | None = None,
     ):
+        check_paged_model(model)
         config = config or EngineConfig()
         mcfg = model.config
         limit = int(mcfg.max_position_embeddings)

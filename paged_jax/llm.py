@@ -15,6 +15,7 @@ from typing import Any
 
 from paged_jax.config import EngineConfig
 from paged_jax.engine import Engine, EngineOutput
+from paged_jax.model_api import PagedModel, check_paged_model
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
@@ -29,12 +30,26 @@ def _resolve_dtype(dtype: str) -> str:
     return "bfloat16" if jax.default_backend() in ("gpu", "tpu") else "float32"
 
 
+def _dtype_name(dtype: Any) -> str:
+    if isinstance(dtype, str):
+        return dtype
+    import numpy as np
+
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return getattr(dtype, "__name__", str(dtype))
+
+
 class LLM:
-    """Loads a checkpoint and serves batches of prompts through the paged engine.
+    """Loads a checkpoint (or takes your model) and serves batches of prompts through the engine.
 
     Args:
         model: a Hugging Face model directory (config.json, *.safetensors, and
-            tokenizer.json for string prompts).
+            tokenizer.json for string prompts), or any object satisfying
+            ``paged_jax.PagedModel`` (a model of your own; see docs/research_integration.md).
+        tokenizer: for a model object only: a ``tokenizers.Tokenizer`` or a path to a
+            tokenizer.json; without one, prompts must be token ids.
         warmup: compile every step bucket at construction (so generate never compiles).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
@@ -43,9 +58,17 @@ class LLM:
     Raises:
         ValueError: an unknown engine argument or a bad value (naming it).
         FileNotFoundError: the model directory or its config.json is missing.
+        TypeError: a model object that does not satisfy PagedModel (naming the member).
     """
 
-    def __init__(self, model: str | pathlib.Path, *, warmup: bool = True, **engine_args: Any):
+    def __init__(
+        self,
+        model: str | pathlib.Path | PagedModel,
+        *,
+        tokenizer: Any = None,
+        warmup: bool = True,
+        **engine_args: Any,
+    ):
         unknown = sorted(set(engine_args) - _ENGINE_FIELDS)
         if unknown:
             raise ValueError(
@@ -53,19 +76,29 @@ class LLM:
                 f"EngineConfig field; expected one of {sorted(_ENGINE_FIELDS)}"
             )
         config = EngineConfig(**engine_args)
-        path = pathlib.Path(model)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model={str(model)!r} must be a Hugging Face model directory")
-        from paged_jax.models import load_model
-
-        dtype = _resolve_dtype(config.dtype)
-        config = dataclasses.replace(config, dtype=dtype)
-        self.model = load_model(path, dtype=dtype, attention_backend=config.attention_backend)
         self.tokenizer = None
-        if (path / "tokenizer.json").is_file():
+        if isinstance(model, (str, pathlib.Path)):
+            path = pathlib.Path(model)
+            if not path.is_dir():
+                raise FileNotFoundError(
+                    f"model={str(model)!r} must be a Hugging Face model directory"
+                )
+            from paged_jax.models import load_model
+
+            dtype = _resolve_dtype(config.dtype)
+            config = dataclasses.replace(config, dtype=dtype)
+            self.model = load_model(path, dtype=dtype, attention_backend=config.attention_backend)
+            if tokenizer is None and (path / "tokenizer.json").is_file():
+                tokenizer = path / "tokenizer.json"
+        else:
+            check_paged_model(model)
+            self.model = model
+            config = dataclasses.replace(config, dtype=_dtype_name(model.config.dtype))
+        if isinstance(tokenizer, (str, pathlib.Path)):
             from tokenizers import Tokenizer
 
-            self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+            tokenizer = Tokenizer.from_file(str(tokenizer))
+        self.tokenizer = tokenizer
         self.engine = Engine(
             self.model, config, detokenize=None if self.tokenizer is None else self.decode
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from paged_jax.generate_cli import main
+from paged_jax.entrypoints.generate_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -181,3 +181,17 @@ def hf_greedy():
         return out[0, len(prompt) :].tolist()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_hf_checkpoint, tmp_path_factory):
+    """A tiny Llama whose vocabulary covers the byte tokenizer, with tokenizer.json beside it."""
+    import shutil
+
+    from paged_jax.entrypoints.demo import build_byte_tokenizer
+
+    src = tiny_hf_checkpoint("llama", vocab_size=259)
+    dst = tmp_path_factory.mktemp("llama_tok")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    build_byte_tokenizer().save(str(dst / "tokenizer.json"))
+    return dst

@@ -13,12 +13,12 @@ import zlib
 import numpy as np
 
 from paged_jax.config import EngineConfig
-from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
+from paged_jax.core.scheduler import Scheduler
 from paged_jax.memory_study.records import RunResult, StepLog
 from paged_jax.memory_study.workloads import VOCAB_SIZE, Workload
-from paged_jax.request import Request
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler
 
 # Block states drawn by the occupancy map (values of RunResult.occupancy).
 FREE, CACHED_FREE, OWNED, SHARED = 0, 1, 2, 3

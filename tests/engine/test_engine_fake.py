@@ -11,8 +11,8 @@ import pytest
 
 from paged_jax.config import EngineConfig
 from paged_jax.engine import Engine
-from paged_jax.fake_model import SumModel, SumModelConfig
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.testing.fake_model import SumModel, SumModelConfig
 
 VOCAB = 97
 

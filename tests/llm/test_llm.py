@@ -2,27 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
-from paged_jax.demo import build_byte_tokenizer, ensure_demo_model
-from paged_jax.generate_cli import main as generate_main
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 
 SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_hf_checkpoint, tmp_path_factory):
-    """A tiny Llama whose vocabulary covers the byte tokenizer, with tokenizer.json beside it."""
-    src = tiny_hf_checkpoint("llama", vocab_size=259)
-    dst = tmp_path_factory.mktemp("llama_tok")
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    build_byte_tokenizer().save(str(dst / "tokenizer.json"))
-    return dst
 
 
 @pytest.fixture(scope="module")
@@ -92,45 +77,3 @@ def test_bad_prompts_raise_naming_the_index_and_nothing_runs(llm):
         LLM("/nonexistent", max_seqs=4)
     with pytest.raises(FileNotFoundError, match="must be a Hugging Face model directory"):
         LLM("/nonexistent/dir")
-
-
-def test_demo_model_from_an_empty_cache_dir(tmp_path):
-    path = ensure_demo_model(tmp_path / "cache")
-    assert (path / "model.safetensors").is_file()
-    mtime = (path / "model.safetensors").stat().st_mtime
-    assert ensure_demo_model(tmp_path / "cache") == path  # reused, not rewritten
-    assert (path / "model.safetensors").stat().st_mtime == mtime
-    llm = LLM(str(path), warmup=False, **SMALL)
-    out = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert len(out[0].outputs[0].token_ids) >= 1
-
-
-def test_generate_cli_writes_valid_jsonl(model_dir, tmp_path, capsys):
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["one", "two two", "three"]))
-    out = tmp_path / "out.jsonl"
-    args = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out)]
-    args += ["--max-tokens", "4", "--block-size", "4", "--max-num-seqs", "8"]
-    args += ["--max-num-batched-tokens", "32", "--max-model-len", "64", "--no-tqdm"]
-    assert generate_main(args) == 0
-    records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in records] == ["one", "two two", "three"]
-    assert all(1 <= len(r["outputs"][0]["token_ids"]) <= 4 for r in records)
-    summary = capsys.readouterr().out
-    assert "compiles_after_warmup: 0" in summary and "requests: 3" in summary
-
-
-@pytest.mark.parametrize(
-    ("args", "match"),
-    [
-        (["--model", "/no/such/dir"], r"--model='/no/such/dir' must be a Hugging Face model"),
-        (["--prompts", "/no/such/file.txt"], r"--prompts='/no/such/file.txt' cannot be read"),
-        (["--block-size", "12"], r"block_size=12 must be a power of two"),
-        (["--temperature", "-1"], r"temperature=-1.0 must be"),
-    ],
-)
-def test_generate_cli_errors_are_clear(args, match, capsys):
-    with pytest.raises(SystemExit) as exc:
-        generate_main(args)
-    assert exc.value.code == 2
-    assert pytest.importorskip("re").search(match, capsys.readouterr().err)

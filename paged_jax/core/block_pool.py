@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from paged_jax.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
-from paged_jax.kv_cache_block import (
+from paged_jax.core.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
+from paged_jax.core.kv_cache_block import (
     NULL_BLOCK_ID,
     BlockId,
     FreeKVCacheBlockQueue,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from paged_jax import KVCacheManager, Request
-from paged_jax.hashing import get_block_hash
+from paged_jax.core.hashing import get_block_hash
 
 BS = 4
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paged_jax.config import EngineConfig, bucket_for
+from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 
 PAD_SLOT_ID = -1
@@ -52,16 +53,6 @@ class StepInput:
     def bucket(self) -> tuple[int, int]:
         """The (num_tokens, num_seqs) bucket of this step."""
         return int(self.token_ids.shape[0]), int(self.seq_lens.shape[0])
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence of a step: which request, where its new tokens start, how many."""
-
-    req_id: str
-    num_computed_tokens: int
-    num_new_tokens: int
-    num_output_tokens: int
 
 
 class InputBatch:

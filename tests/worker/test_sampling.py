@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.sampling import SamplingMetadata, sample
 from paged_jax.sampling_params import MAX_LOGPROBS
+from paged_jax.worker.sampling import SamplingMetadata, sample
 
 
 def meta(rows: int, **overrides) -> SamplingMetadata:

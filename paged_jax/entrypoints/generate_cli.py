@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompts:
             prompts = read_prompts(args.prompts)
         else:
-            from paged_jax.demo_prompts import builtin_prompts
+            from paged_jax.entrypoints.demo_prompts import builtin_prompts
 
             if args.num_prompts < 1:
                 raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
             prompts = builtin_prompts(args.num_prompts)
         if args.model is None:
-            from paged_jax.demo import ensure_demo_model
+            from paged_jax.entrypoints.demo import ensure_demo_model
 
             model_dir = ensure_demo_model(args.cache_dir)
             print(f"using the built-in demo model (random weights) at {model_dir}", file=sys.stderr)

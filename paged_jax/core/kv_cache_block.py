@@ -1,6 +1,6 @@
 """KVCacheBlock and the intrusive doubly linked free queue that orders eviction.
 
-Pure Python; never imports jax. Re-exported by paged_jax.block_pool.
+Pure Python; never imports jax. Re-exported by paged_jax.core.block_pool.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NewType
 
-from paged_jax.hashing import BlockHashWithGroupId
+from paged_jax.core.hashing import BlockHashWithGroupId
 
 BlockId = NewType("BlockId", int)
 """Index of a physical KV block; 0 is the null block."""

@@ -19,9 +19,10 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.config import EngineConfig
-from paged_jax.input_batch import StepInput
+from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
-from paged_jax.sampling import SamplingMetadata, sample
+from paged_jax.worker.input_batch import StepInput
+from paged_jax.worker.sampling import SamplingMetadata, sample
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -98,22 +99,33 @@ class Runner:
     """Device state (weights, KV caches, swapped blocks) and the jitted step.
 
     Args:
-        model: a paged_jax.models model (Flax NNX) with forward_paged / init_kv_caches.
+        model: a ``paged_jax.PagedModel``. An NNX module is split so its weights are
+            step arguments; any other object is closed over by the jitted step.
         config: a resolved EngineConfig.
     """
 
-    def __init__(self, model: nnx.Module, config: EngineConfig):
+    def __init__(self, model: PagedModel, config: EngineConfig):
         _install_compile_listener()
         self.config = config
         self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size))
         self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block)
         self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size)
         self.attention_backend = config.attention_backend
-        graphdef, self.weights = nnx.split(model)
         backend = self.attention_backend
+        if isinstance(model, nnx.Module):
+            graphdef, self.weights = nnx.split(model)
+
+            def merge(weights):
+                return nnx.merge(graphdef, weights)
+        else:  # a plain object: its arrays are baked into the step as constants
+            self.weights = None
+
+            def merge(weights):
+                del weights
+                return model
 
         def step_fn(weights, kv_caches, token_ids, positions, attn_meta, samp_meta):
-            m = nnx.merge(graphdef, weights)
+            m = merge(weights)
             logits, kv_caches = m.forward_paged(
                 token_ids, positions, kv_caches, attn_meta, attention_backend=backend
             )

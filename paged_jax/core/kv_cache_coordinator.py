@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from paged_jax.block_pool import BlockPool, KVCacheBlock
-from paged_jax.hashing import BlockHash
-from paged_jax.request import Request
-from paged_jax.single_type_kv_cache_manager import SingleTypeKVCacheManager
+from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+from paged_jax.core.hashing import BlockHash
+from paged_jax.core.request import Request
+from paged_jax.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 
 class KVCacheCoordinator:

@@ -1,6 +1,6 @@
 """KVCacheBlocks (the scheduler-facing block lists) and PrefixCacheStats.
 
-Pure Python; never imports jax. Re-exported by paged_jax.kv_cache_manager.
+Pure Python; never imports jax. Re-exported by paged_jax.core.kv_cache_manager.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from paged_jax.kv_cache_block import KVCacheBlock
+from paged_jax.core.kv_cache_block import KVCacheBlock
 
 
 class KVCacheBlocks:

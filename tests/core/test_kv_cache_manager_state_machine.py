@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from paged_jax import KVCacheManager, Request, RequestStatus
-from paged_jax.hashing import get_block_hash
+from paged_jax.core.hashing import get_block_hash
 
 BS = 4
 NUM_BLOCKS = 13

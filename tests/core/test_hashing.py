@@ -12,7 +12,7 @@ import pytest
 import xxhash
 
 from paged_jax import NONE_HASH, BlockHasher, Request, hash_block_tokens, none_hash
-from paged_jax.hashing import encode_extra_keys, pack_token_ids
+from paged_jax.core.hashing import encode_extra_keys, pack_token_ids
 
 _HASH_SCRIPT = """
 import json

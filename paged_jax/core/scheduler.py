@@ -12,49 +12,13 @@ request is admitted in a step that preempted.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import itertools
 
 from paged_jax.config import EngineConfig, cdiv
-from paged_jax.input_batch import ScheduledSeq
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request, RequestStatus
-
-
-@dataclasses.dataclass
-class NewRow:
-    """A request entering the device batch (newly admitted or resumed): its whole state."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """What one step runs and what the runner must do to device state first.
-
-    Order of application: drop rows of finished/preempted requests, swap out, add
-    new rows, append block ids, swap in, then run `scheduled`.
-    """
-
-    scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
-    new_rows: list[NewRow] = dataclasses.field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
-    removed_req_ids: list[str] = dataclasses.field(default_factory=list)
-    preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
-    # (req_id, block ids whose contents go to host) — read before any write this step.
-    swap_out: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
-    # (req_id, fresh block ids that receive the host copy) — written before the step.
-    swap_in: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
-    # Requests finished with an error while scheduling (they can never fit).
-    errored: list[Request] = dataclasses.field(default_factory=list)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, RequestStatus
+from paged_jax.core.scheduler_output import NewRow, ScheduledSeq, SchedulerOutput
 
 
 class _WaitingQueue:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from paged_jax.config import EngineConfig
-from paged_jax.input_batch import PAD_SLOT_ID, InputBatch, ScheduledSeq
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.input_batch import PAD_SLOT_ID, InputBatch, ScheduledSeq
 
 
 def make_batch() -> InputBatch:

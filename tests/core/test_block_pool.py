@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_jax.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from paged_jax.hashing import BlockHash, get_block_hash
+from paged_jax.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from paged_jax.core.hashing import BlockHash, get_block_hash
 
 
 def ids(blocks) -> list[int]:

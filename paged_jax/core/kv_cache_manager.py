@@ -5,12 +5,12 @@ Pure Python; never imports jax.
 
 from __future__ import annotations
 
-from paged_jax.block_pool import BlockPool, KVCacheBlock
-from paged_jax.hashing import HASH_ALGOS, BlockHasher
-from paged_jax.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
-from paged_jax.kv_cache_coordinator import UnitaryKVCacheCoordinator
-from paged_jax.request import Request
-from paged_jax.single_type_kv_cache_manager import FullAttentionManager
+from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+from paged_jax.core.hashing import HASH_ALGOS, BlockHasher
+from paged_jax.core.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
+from paged_jax.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from paged_jax.core.request import Request
+from paged_jax.core.single_type_kv_cache_manager import FullAttentionManager
 
 __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NewType
 
 if TYPE_CHECKING:
-    from paged_jax.request import Request
+    from paged_jax.core.request import Request
 
 BlockHash = NewType("BlockHash", bytes)
 """Digest of one full block, chained over every earlier block of the request."""

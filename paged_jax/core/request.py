@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from paged_jax.hashing import BlockHash
+from paged_jax.core.hashing import BlockHash
 
 BlockHasherFn = Callable[["Request"], list[BlockHash]]
 """Returns the hashes of the request's full blocks not yet in request.block_hashes."""
@@ -57,7 +57,7 @@ class Request:
     request keeps hashes over its prompt and outputs (and resumes via prefix hits).
 
     Hashing needs a block size and an algorithm, which the request does not know
-    by itself: pass ``block_hasher`` (for example a ``paged_jax.hashing.BlockHasher``)
+    by itself: pass ``block_hasher`` (for example a ``paged_jax.core.hashing.BlockHasher``)
     or let ``KVCacheManager`` attach its own on first contact
     (``get_computed_blocks`` / ``allocate_slots``). Until then ``block_hashes`` is empty.
 

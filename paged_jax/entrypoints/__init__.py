@@ -1,0 +1,1 @@
+"""Command-line entry points and the built-in demo model (``paged-jax-generate``)."""

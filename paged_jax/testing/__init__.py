@@ -1,0 +1,1 @@
+"""Hand-computable test models that travel through the real paged KV cache."""

@@ -1,0 +1,6 @@
+"""Device side of one engine step: InputBatch packs the scheduler's decisions into a
+fixed-shape StepInput (numpy), Runner runs the jitted step, sampling picks tokens.
+
+Mirrors vLLM V1's ``v1/worker``. ``input_batch`` is numpy only; ``runner`` and
+``sampling`` import jax.
+"""
