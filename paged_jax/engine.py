@@ -186,6 +186,7 @@ class Engine:
         return self._finish(req)
 
     def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or swapped out."""
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------ step
@@ -324,6 +325,9 @@ class Engine:
         return len(shapes)
 
     def get_stats(self) -> dict[str, Any]:
+        """Counters since construction: steps, preemptions, prefix-cache hits, KV usage
+        (now and peak, fractions of usable blocks), compiles (total and after warm-up),
+        median step time in ms, running and waiting requests."""
         stats = self.kv_cache_manager.prefix_cache_stats
         total = num_backend_compiles() - self._compiles_at_start
         after = (

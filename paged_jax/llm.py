@@ -108,6 +108,7 @@ class LLM:
             self.engine.warmup()
 
     def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; ValueError when there is no tokenizer."""
         if self.tokenizer is None:
             raise ValueError(
                 f"prompt={text[:40]!r} is a string but the model directory has no "
@@ -116,6 +117,7 @@ class LLM:
         return self.tokenizer.encode(text).ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens skipped); "" when there is no tokenizer."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
