@@ -8,9 +8,18 @@ from __future__ import annotations
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
 from paged_jax.core.hashing import HASH_ALGOS, BlockHasher
 from paged_jax.core.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
-from paged_jax.core.kv_cache_coordinator import UnitaryKVCacheCoordinator
+from paged_jax.core.kv_cache_coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinator,
+    UnitaryKVCacheCoordinator,
+)
+from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.request import Request
-from paged_jax.core.single_type_kv_cache_manager import FullAttentionManager
+from paged_jax.core.single_type_kv_cache_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+)
+from paged_jax.core.sliding_window_manager import SlidingWindowManager
 
 __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 
@@ -28,9 +37,11 @@ def _request_id(request: Request | str) -> str:
 class KVCacheManager:
     """Allocates KV blocks to requests, with chained-hash prefix caching (vLLM V1).
 
-    Holds one BlockPool and, through a coordinator, one FullAttentionManager for
-    the model's single KV-cache group. Requests are tracked by request_id from
-    their first allocate_slots until free.
+    Holds one BlockPool and, through a coordinator, one manager per KV-cache group
+    (FullAttentionManager or SlidingWindowManager). A single group (the default: full
+    attention) takes the unitary fast path; several groups share the pool through
+    HybridKVCacheCoordinator and a request holds one block table per group.
+    Requests are tracked by request_id from their first allocate_slots until free.
 
     The manager attaches a ``BlockHasher(block_size, hash_algo)`` to any request
     that has none on first contact (get_computed_blocks or allocate_slots), which
@@ -43,9 +54,11 @@ class KVCacheManager:
         enable_prefix_caching: hash full blocks and serve prefix hits.
         hash_algo: "sha256" (default) or "xxhash".
         max_model_len: longest sequence (prompt + outputs) a request may reach.
+        kv_cache_groups: one KVCacheGroupSpec per group, indexed by group id; default
+            one full-attention group.
 
     Raises:
-        ValueError: on a non-positive size or an unknown hash_algo.
+        ValueError: on a non-positive size, an unknown hash_algo or no groups.
     """
 
     def __init__(
@@ -56,6 +69,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         max_model_len: int,
+        kv_cache_groups: tuple[KVCacheGroupSpec, ...] | list[KVCacheGroupSpec] = (FULL_ATTENTION,),
     ) -> None:
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo={hash_algo!r} must be one of {HASH_ALGOS}")
@@ -65,15 +79,39 @@ class KVCacheManager:
         self.hash_algo = hash_algo
         self.block_pool = BlockPool(num_blocks, enable_caching=self.enable_caching)
         self.num_blocks = num_blocks
-        manager = FullAttentionManager(
-            self.block_pool, block_size, 0, enable_caching=self.enable_caching
+        groups = tuple(kv_cache_groups)
+        if not groups or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+            raise ValueError(
+                f"kv_cache_groups={kv_cache_groups!r} must be a non-empty sequence of "
+                "KVCacheGroupSpec"
+            )
+        self.kv_cache_groups = groups
+        managers = [self._make_manager(g, i) for i, g in enumerate(groups)]
+        self.coordinator: KVCacheCoordinator = (
+            UnitaryKVCacheCoordinator(self.block_pool, managers)
+            if len(managers) == 1
+            else HybridKVCacheCoordinator(self.block_pool, managers)
         )
-        self.coordinator = UnitaryKVCacheCoordinator(self.block_pool, [manager])
-        self.num_kv_cache_groups = 1
+        self.num_kv_cache_groups = len(groups)
+        # Only window groups ever free blocks before a request ends.
+        self._has_window = any(g.sliding_window is not None for g in groups)
         self.block_hasher = BlockHasher(block_size, hash_algo)
-        self._empty_groups: tuple[tuple[KVCacheBlock, ...], ...] = ((),)
+        self._empty_groups: tuple[tuple[KVCacheBlock, ...], ...] = tuple(() for _ in groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(self._empty_groups)
         self._stats = PrefixCacheStats()
+
+    def _make_manager(self, group: KVCacheGroupSpec, group_id: int) -> SingleTypeKVCacheManager:
+        if group.sliding_window is None:
+            return FullAttentionManager(
+                self.block_pool, self.block_size, group_id, enable_caching=self.enable_caching
+            )
+        return SlidingWindowManager(
+            self.block_pool,
+            self.block_size,
+            group_id,
+            sliding_window=group.sliding_window,
+            enable_caching=self.enable_caching,
+        )
 
     # -- hashing ------------------------------------------------------------
 
@@ -132,6 +170,11 @@ class KVCacheManager:
             hashed+cached: full blocks within computed + new_computed + new,
                            capped at request.num_tokens (drafts are never hashed)
 
+        Sliding-window groups first free the blocks wholly below
+        computed + new_computed - W + 1 (replaced by the null block; done even if the
+        allocation then fails, as in vLLM), then count what is still missing. The
+        count sums every group, so the allocation is all-or-nothing across groups.
+
         Args:
             request: the request (request.num_computed_tokens excludes the hit).
             num_new_tokens: tokens to compute in this step (may include drafts).
@@ -183,6 +226,8 @@ class KVCacheManager:
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
 
+        if self._has_window:
+            coordinator.remove_skipped_blocks(request_id, total_computed)
         num_needed = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, hit_groups
         )
@@ -199,7 +244,7 @@ class KVCacheManager:
             coordinator.cache_blocks(
                 request, num_tokens_to_compute if num_tokens_to_compute < num_tokens else num_tokens
             )
-        if not new_groups[0]:
+        if not any(new_groups):
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_groups)
 
@@ -209,8 +254,8 @@ class KVCacheManager:
                 f"new_computed_blocks={new_computed_blocks!r} must be empty with prefix "
                 "caching disabled"
             )
-        if request.num_computed_tokens or self.coordinator.manager.req_to_blocks.get(
-            request.request_id
+        if request.num_computed_tokens or any(
+            m.req_to_blocks.get(request.request_id) for m in self.coordinator.managers
         ):
             raise ValueError(
                 f"new_computed_blocks={new_computed_blocks!r} must only be given to a "
@@ -238,13 +283,13 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(tuple(g) for g in groups))
 
     def get_block_ids(self, request: Request | str) -> list[int]:
-        """The request's block table (block ids in token order), e.g. ``[1, 2, 3]``.
+        """Group 0's block table (block ids in token order), e.g. ``[1, 2, 3]``.
 
-        Unlike vLLM (one list per group) this is the single group's flat list,
-        which is what the scheduler and the input batch consume; use
-        get_block_ids_per_group for the per-group form.
+        Unlike vLLM (one list per group) this is the first group's flat list, the
+        whole table of a single-group model; use get_block_ids_per_group for the
+        per-group form. Out-of-window entries of a sliding group read 0 (null).
         """
-        return [b.block_id for b in self.coordinator.manager.get_blocks(_request_id(request))]
+        return [b.block_id for b in self.coordinator.managers[0].get_blocks(_request_id(request))]
 
     def get_block_ids_per_group(self, request: Request | str) -> tuple[list[int], ...]:
         """The request's block table per KV-cache group, e.g. ``([1, 2, 3],)``."""
@@ -252,8 +297,48 @@ class KVCacheManager:
         return tuple([b.block_id for b in g] for g in groups)
 
     def get_num_blocks(self, request: Request | str) -> int:
-        """Number of blocks in the request's table (0 if it holds none)."""
-        return len(self.coordinator.manager.get_blocks(_request_id(request)))
+        """Length of the request's group-0 table, null entries included (0 if none)."""
+        return len(self.coordinator.managers[0].get_blocks(_request_id(request)))
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk_tokens: int) -> int:
+        """Most blocks one request of num_tokens tokens holds at once, over all groups.
+
+        Full attention holds every block; a window group at most the blocks of its
+        window plus one step's chunk: cdiv(W - 1 + max_chunk_tokens, block_size) + 1
+        (vLLM's SlidingWindowSpec bound).
+        """
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
+        total = 0
+        for group in self.kv_cache_groups:
+            if group.sliding_window is None:
+                total += num_blocks
+            else:
+                bound = -(-(group.sliding_window - 1 + max_chunk_tokens) // bs) + 1
+                total += min(num_blocks, bound)
+        return total
+
+    def get_num_blocks_held(self, request: Request | str) -> int:
+        """Real (non-null) blocks the request holds over all groups: its KV footprint."""
+        request_id = _request_id(request)
+        total = 0
+        for m in self.coordinator.managers:
+            blocks = m.get_blocks(request_id)
+            # Nulls only form a leading run: binary-search its end (O(log n) per group).
+            lo, hi = 0, len(blocks)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if blocks[mid].is_null:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            total += len(blocks) - lo
+        return total
+
+    @property
+    def has_sliding_window(self) -> bool:
+        """True if some group frees out-of-window blocks before its requests end."""
+        return self._has_window
 
     def get_num_common_prefix_blocks(
         self, request: Request | str, num_running_requests: int
@@ -304,22 +389,32 @@ class KVCacheManager:
         """Checks pool and table consistency; raises AssertionError on a bug.
 
         Beyond BlockPool.check_invariants: every block's ref_cnt equals the number
-        of request tables holding it, no table holds the null block or a block
-        twice, and exactly the first num_cached blocks of each table are hashed.
+        of request tables holding it (over all groups), no table holds a block twice,
+        the null block appears only as the leading run of a sliding-window table,
+        and exactly the first num_cached real blocks of each table are hashed.
         """
         self.block_pool.check_invariants()
         holders = [0] * self.num_blocks
         for manager in self.coordinator.managers:
+            window = isinstance(manager, SlidingWindowManager)
             for request_id, blocks in manager.req_to_blocks.items():
-                ids = [b.block_id for b in blocks]
+                ids = [b.block_id for b in blocks if not b.is_null]
                 if len(set(ids)) != len(ids):
                     raise AssertionError(f"request {request_id!r} holds a block twice: {ids}")
                 num_cached = manager.num_cached_block[request_id]
                 if num_cached > len(blocks):
                     raise AssertionError(f"request {request_id!r} caches more blocks than held")
+                num_null = 0
+                while num_null < len(blocks) and blocks[num_null].is_null:
+                    num_null += 1
                 for i, block in enumerate(blocks):
                     if block.is_null:
-                        raise AssertionError(f"request {request_id!r} holds the null block")
+                        if not window or i >= num_null:
+                            raise AssertionError(
+                                f"request {request_id!r} holds the null block at {i} in group "
+                                f"{manager.kv_cache_group_id} (only a window's leading run may)"
+                            )
+                        continue
                     if (block.block_hash is not None) != (i < num_cached):
                         raise AssertionError(
                             f"request {request_id!r} block {i} (id {block.block_id}) hashed "

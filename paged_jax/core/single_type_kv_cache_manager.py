@@ -1,9 +1,8 @@
-"""Per-attention-type block managers: the seam where sliding window etc. plug in.
+"""Per-attention-type block managers: the shared base and full attention.
 
-One manager serves one KV-cache group (layers sharing a block table). This file
-has the shared base and full attention; a sliding-window manager would override
-``find_longest_cache_hit`` (right-to-left scan) and add out-of-window freeing.
-Pure Python; never imports jax.
+One manager serves one KV-cache group (layers sharing a block table). The sliding-window
+manager (paged_jax.core.sliding_window_manager) overrides the hit search and frees
+out-of-window blocks. Pure Python; never imports jax.
 """
 
 from __future__ import annotations
@@ -42,6 +41,17 @@ class SingleTypeKVCacheManager:
         # request id -> number of leading blocks already cached (hashed).
         self.num_cached_block: dict[str, int] = {}
 
+    def longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
+        """This group's longest usable hit of at most max_length tokens (no ref changes)."""
+        return self.find_longest_cache_hit(
+            block_hashes, max_length, self.block_pool, self.kv_cache_group_id, self.block_size
+        )
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Frees blocks no future token will read (none for full attention)."""
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -57,6 +67,7 @@ class SingleTypeKVCacheManager:
         num_new = -(-num_tokens // self.block_size) - (len(held) if held else 0)
         if not new_computed_blocks:  # the decode fast path
             return num_new if num_new > 0 else 0
+        # A hit's leading null blocks (out-of-window positions) need no fresh block either.
         num_new -= len(new_computed_blocks)
         num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return max(num_new, 0) + num_evictable
@@ -105,7 +116,7 @@ class SingleTypeKVCacheManager:
         self.num_cached_block[request_id] = num_full
 
     def free(self, request_id: str) -> None:
-        """Returns the request's blocks to the pool, tail of the chain first."""
+        """Returns the request's blocks to the pool, tail of the chain first (nulls skipped)."""
         blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if blocks:
