@@ -54,6 +54,10 @@ class EngineConfig:
             "float32", "bfloat16" or "float16".
         seed: engine seed; requests without their own seed draw one from it.
         hash_algo: prefix-cache block hash, "sha256" or "xxhash".
+        async_scheduling: keep one device step in flight: the host schedules and packs
+            step N+1 while step N runs and reads step N's tokens afterwards (sampled
+            ids reach step N+1 on device). Outputs equal the synchronous engine's; a
+            request ended by a stop token or string costs one discarded extra token.
     """
 
     block_size: int = 16
@@ -69,6 +73,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     hash_algo: str = "sha256"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -108,7 +113,7 @@ class EngineConfig:
             not is_int(self.max_model_len) or self.max_model_len < 2
         ):
             fail("max_model_len", "None or an int >= 2")
-        for name in ("enable_prefix_caching",):
+        for name in ("enable_prefix_caching", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
         for name, allowed in (

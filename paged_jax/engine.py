@@ -18,10 +18,11 @@ from paged_jax.config import EngineConfig, cdiv
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.model_api import check_paged_model
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.runner import Runner, num_backend_compiles
+from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -65,6 +66,23 @@ class EngineOutput:
     @property
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched device step and what reading its tokens needs.
+
+    requests holds the Request objects scheduled (by position in out.scheduled), so a
+    token is dropped when its request ended, even if a new request reuses the id.
+    """
+
+    out: SchedulerOutput
+    requests: list[Request]
+    pending: PendingStep
+
+    @classmethod
+    def launch(cls, out: SchedulerOutput, live: dict[str, Request], pending: PendingStep):
+        return cls(out, [live[seq.req_id] for seq in out.scheduled], pending)
 
 
 @dataclasses.dataclass
@@ -122,6 +140,8 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._states: dict[str, _ReqState] = {}
         self._step_times: list[float] = []
+        self._host_times: list[float] = []
+        self._in_flight: InFlightStep | None = None
         self._num_steps = 0
         self._usage_peak = 0.0
         self._num_cached_tokens: dict[str, int] = {}
@@ -191,7 +211,12 @@ class Engine:
 
     # ------------------------------------------------------------ step
     def step(self) -> list[EngineOutput]:
-        """Runs one scheduler + device step; returns the requests that finished in it."""
+        """Runs one scheduler + device step; returns the requests that finished.
+
+        With async_scheduling the step just scheduled is left running on device and
+        the previous step's tokens are read instead (stops, outputs, hashing land one
+        call later); otherwise the step's own tokens are read before returning.
+        """
         t0 = time.perf_counter()
         sched = self.scheduler
         out = sched.schedule()
@@ -199,11 +224,32 @@ class Engine:
         finished = [self._finish(req) for req in out.errored]
         self._apply_to_device_state(out)
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
-        if not out.scheduled:
-            return finished
-        result = self.runner.execute(self.input_batch.prepare(out.scheduled))
-        sampled = self._record_samples(out, result)
-        done = sched.update_from_output(out, sampled, self.eos_token_ids)
+        launched = None
+        if out.scheduled:
+            launched = InFlightStep.launch(
+                out, sched.requests, self.runner.dispatch(self.input_batch.prepare(out.scheduled))
+            )
+            self._num_steps += 1
+        ready = launched
+        if self.config.async_scheduling:
+            ready, self._in_flight = self._in_flight, launched
+        wait_s = 0.0
+        if ready is not None:
+            t_wait = time.perf_counter()
+            result = ready.pending.result()
+            wait_s = time.perf_counter() - t_wait
+            finished += self._process_outputs(ready, result)
+        step_s = time.perf_counter() - t0
+        if launched is not None or ready is not None:
+            self._step_times.append(step_s)
+            self._host_times.append(step_s - wait_s)
+        return finished
+
+    def _process_outputs(self, step: InFlightStep, result) -> list[EngineOutput]:
+        """Append one finished device step's tokens; stops; returns the finished requests."""
+        sched = self.scheduler
+        sampled = self._record_samples(step, result)
+        done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         done_ids = {r.request_id for r in done}
         for req in done:
             st = self._states[req.request_id]
@@ -211,22 +257,23 @@ class Engine:
             if req.status == RequestStatus.FINISHED_STOPPED and token in st.params.stop_token_ids:
                 st.stop_reason = token
         batch = self.input_batch
+        row_of = batch.row_of
         for req_id, token in sampled.items():
             if req_id in done_ids:
                 continue
-            batch.append_token_ids(req_id, [token])
+            if req_id in row_of:  # a request preempted meanwhile has no row
+                batch.append_token_ids(req_id, [token])
             stop = self._stop_string_hit(req_id)
             if stop is not None:
                 req = sched.requests[req_id]
                 sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
                 self._states[req_id].stop_reason = stop
                 done.append(req)
+        finished = []
         for req in done:
-            if req.request_id in batch.row_of:
+            if req.request_id in row_of:
                 batch.remove_request(req.request_id)
             finished.append(self._finish(req))
-        self._num_steps += 1
-        self._step_times.append(time.perf_counter() - t0)
         return finished
 
     # ------------------------------------------------------------ helpers
@@ -259,15 +306,18 @@ class Engine:
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
 
-    def _record_samples(self, out, result) -> dict[str, int]:
+    def _record_samples(self, step: InFlightStep, result) -> dict[str, int]:
         """req_id -> sampled token for sequences that reached their end; logprobs, TTFT."""
         now = time.time()
         sampled: dict[str, int] = {}
-        for i, seq in enumerate(out.scheduled):
-            req = self.scheduler.requests[seq.req_id]
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prefill chunk that does not reach the end samples nothing
-            token = int(result.token_ids[i])
+        live = self.scheduler.requests
+        token_ids = result.token_ids.tolist()
+        for i, (seq, req) in enumerate(zip(step.out.scheduled, step.requests)):
+            if not seq.samples or live.get(seq.req_id) is not req:
+                # A prefill chunk that does not reach the end samples nothing; a request
+                # that ended while this step was in flight (async) drops its extra token.
+                continue
+            token = token_ids[i]
             sampled[seq.req_id] = token
             st = self._states[seq.req_id]
             if st.first_token_time is None:
@@ -347,6 +397,8 @@ class Engine:
             "num_compiles": total,
             "num_compiles_after_warmup": after,
             "step_time_ms": 1e3 * statistics.median(self._step_times) if self._step_times else 0.0,
+            # Host work per step call: the call's wall time less the wait for device tokens.
+            "host_time_ms": 1e3 * statistics.median(self._host_times) if self._host_times else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
         }

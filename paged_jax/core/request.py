@@ -124,6 +124,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Tokens sampled by a device step still in flight (async scheduling): counted
+        # by the scheduler, not yet in output_token_ids, never hashed.
+        self.num_output_placeholders = 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(ids)
         self.block_hashes: list[BlockHash] = []

@@ -140,7 +140,10 @@ class Scheduler:
                 break
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            pending = req.num_output_placeholders
+            if pending and self._ends_by_length(req):
+                continue  # its in-flight token is its last: schedule nothing more
+            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             while (new_blocks := self.kv.allocate_slots(req, num_new)) is None:
@@ -156,22 +159,42 @@ class Scheduler:
             if new_blocks.blocks[0]:
                 out.new_block_ids[req.request_id] = [b.block_id for b in new_blocks.blocks[0]]
             scheduled[req.request_id] = ScheduledSeq(
-                req.request_id, req.num_computed_tokens, num_new, req.num_output_tokens
+                req.request_id,
+                req.num_computed_tokens,
+                num_new,
+                req.num_output_tokens + pending,
+                req.num_computed_tokens + num_new == req.num_tokens + pending,
             )
             budget -= num_new
 
         if not out.preempted_req_ids:
             self._admit(out, scheduled, budget)
         out.scheduled = list(scheduled.values())
+        requests = self.requests
+        placeholders = self.config.async_scheduling
         for seq in out.scheduled:
             # Optimistic advance, as vLLM: the next step may continue a chunked prefill
             # before this step's outputs are read.
-            self.requests[seq.req_id].num_computed_tokens += seq.num_new_tokens
+            req = requests[seq.req_id]
+            req.num_computed_tokens += seq.num_new_tokens
+            if placeholders and seq.samples:
+                # Async: the sampled token stays on device and feeds the next step.
+                req.num_output_placeholders += 1
         return out
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Whether the request's in-flight tokens already reach max_tokens or max_model_len."""
+        pending = req.num_output_placeholders
+        params = req.sampling_params
+        if params is not None and req.num_output_tokens + pending >= params.max_tokens:
+            return True
+        return req.num_tokens + pending >= self.max_model_len
 
     def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
+            if req.num_output_placeholders:
+                break  # preempted with a token in flight: resumes once it is read
             reason = self._can_never_fit(req)
             if reason is not None:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, reason)
@@ -213,7 +236,11 @@ class Scheduler:
                 NewRow(req.request_id, list(req.all_token_ids), block_ids, num_computed)
             )
             scheduled[req.request_id] = ScheduledSeq(
-                req.request_id, num_computed, num_new, req.num_output_tokens
+                req.request_id,
+                num_computed,
+                num_new,
+                req.num_output_tokens,
+                num_computed + num_new == req.num_tokens,
             )
             budget -= num_new
 
@@ -257,7 +284,12 @@ class Scheduler:
         finished = []
         for req_id, token in sampled.items():
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None:
+                continue
+            if req.num_output_placeholders:
+                # Async: the token was scheduled on; a request preempted meanwhile keeps it.
+                req.num_output_placeholders -= 1
+            elif req.status != RequestStatus.RUNNING:
                 continue
             req.append_output_token_ids(token)
             status = self._check_stop(req, token, eos_token_ids)

@@ -14,12 +14,18 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class ScheduledSeq:
-    """One sequence of a step: which request, where its new tokens start, how many."""
+    """One sequence of a step: which request, where its new tokens start, how many.
+
+    num_output_tokens counts tokens sampled so far, in-flight ones included (it keys
+    the sampler's seed); samples is False for a prefill chunk that stops short of the
+    request's last known token (its sampled id is garbage and is dropped).
+    """
 
     req_id: str
     num_computed_tokens: int
     num_new_tokens: int
     num_output_tokens: int
+    samples: bool = True
 
 
 @dataclasses.dataclass

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read each step's tokens before scheduling the next (for debugging)",
+    )
     e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     e.add_argument("--dtype", choices=DTYPES, default="auto")
@@ -101,6 +106,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         attention_backend=args.attention_backend,
         dtype=args.dtype,
         seed=args.engine_seed,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 

@@ -46,6 +46,8 @@ class StepInput:
     seeds: np.ndarray  # u32[S]
     counters: np.ndarray  # i32[S]; tokens generated so far per sequence
     masked_token_ids: np.ndarray  # i32[S, K]; banned this step (min_tokens), -1 = none
+    token_rows: np.ndarray  # i32[T]; row whose on-device sample is this token, -1 = token_ids
+    sample_rows: np.ndarray  # i32[S]; row that keeps the sample on device; R = padding
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
 
@@ -160,6 +162,12 @@ class InputBatch:
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
         token_ids[:num_tokens] = self.token_ids[row_of_token, pos]
+        # A token the host does not have yet (async scheduling: sampled by the step in
+        # flight) is read on device from its row's last sample.
+        token_rows = np.full(t_pad, -1, np.int32)
+        token_rows[:num_tokens] = np.where(
+            pos >= self.num_token_ids[row_of_token], row_of_token, -1
+        )
         positions[:num_tokens] = pos
         block_ids = self.block_tables[row_of_token, pos // self.block_size]
         assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
@@ -186,6 +194,8 @@ class InputBatch:
         masked[~active] = -1
         counters = np.zeros(s_pad, np.int32)
         counters[:num_seqs] = num_out
+        sample_rows = np.full(s_pad, len(self.req_of_row), np.int32)
+        sample_rows[:num_seqs] = rows
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -201,6 +211,8 @@ class InputBatch:
             seeds=padded(self.seeds, 0),
             counters=counters,
             masked_token_ids=masked,
+            token_rows=token_rows,
+            sample_rows=sample_rows,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
         )
@@ -224,6 +236,8 @@ class InputBatch:
             seeds=np.zeros(s, np.uint32),
             counters=np.zeros(s, np.int32),
             masked_token_ids=np.full((s, k), -1, np.int32),
+            token_rows=np.full(t, -1, np.int32),
+            sample_rows=np.full(s, len(self.req_of_row), np.int32),
             num_tokens=0,
             num_seqs=0,
         )

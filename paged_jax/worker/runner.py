@@ -22,7 +22,8 @@ from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
 from paged_jax.worker.input_batch import StepInput
-from paged_jax.worker.sampling import SamplingMetadata, sample
+from paged_jax.worker.sampling import SamplerOutput, SamplingMetadata, sample
+from paged_jax.worker.token_feed import TokenFeed, feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -85,6 +86,26 @@ def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     return int(num_blocks)
 
 
+class PendingStep:
+    """A dispatched step whose sampler outputs are being copied to the host."""
+
+    def __init__(self, out: SamplerOutput, num_seqs: int):
+        for array in out:
+            array.copy_to_host_async()
+        self._out = out
+        self._num_seqs = num_seqs
+
+    def result(self) -> StepResult:
+        """Waits for the step and returns the samples of its real sequences."""
+        out, n = jax.device_get(self._out), self._num_seqs
+        return StepResult(
+            np.asarray(out.token_ids[:n]),
+            np.asarray(out.logprobs[:n]),
+            np.asarray(out.top_token_ids[:n]),
+            np.asarray(out.top_logprobs[:n]),
+        )
+
+
 @dataclasses.dataclass
 class StepResult:
     """Host copies of the sampler's outputs for the real (unpadded) sequences."""
@@ -124,14 +145,20 @@ class Runner:
                 del weights
                 return model
 
-        def step_fn(weights, kv_caches, token_ids, positions, attn_meta, samp_meta):
+        def step_fn(
+            weights, kv_caches, row_tokens, token_ids, positions, feed, attn_meta, samp_meta
+        ):
             m = merge(weights)
+            token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             logits, kv_caches = m.forward_paged(
                 token_ids, positions, kv_caches, attn_meta, attention_backend=backend
             )
-            return sample(logits, samp_meta), kv_caches
+            out = sample(logits, samp_meta)
+            return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
 
-        self._step = jax.jit(step_fn, donate_argnums=(1,))
+        self._step = jax.jit(step_fn, donate_argnums=(1, 2))
+        # Last sampled id per input-batch row: the device half of async scheduling.
+        self.row_tokens = init_row_tokens(config.max_num_seqs)
         width = config.max_blocks_per_seq
         self._swap_width = width
 
@@ -151,6 +178,15 @@ class Runner:
     # ------------------------------------------------------------------ step
     def execute(self, step: StepInput) -> StepResult:
         """Runs one bucketed step; returns the samples of the real sequences."""
+        return self.dispatch(step).result()
+
+    def dispatch(self, step: StepInput) -> PendingStep:
+        """Launches one bucketed step without waiting for it (JAX async dispatch).
+
+        The sampled ids also land in ``row_tokens`` (device), where the next step's
+        placeholder tokens read them; the host copy starts now and is read by
+        ``PendingStep.result()``.
+        """
         attn = AttentionMetadata(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
@@ -167,17 +203,18 @@ class Runner:
             counters=step.counters,
             masked_token_ids=step.masked_token_ids,
         )
-        out, self.kv_caches = self._step(
-            self.weights, self.kv_caches, step.token_ids, step.positions, attn, samp
+        feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
+        out, self.kv_caches, self.row_tokens = self._step(
+            self.weights,
+            self.kv_caches,
+            self.row_tokens,
+            step.token_ids,
+            step.positions,
+            feed,
+            attn,
+            samp,
         )
-        out = jax.device_get(out)
-        n = step.num_seqs
-        return StepResult(
-            np.asarray(out.token_ids[:n]),
-            np.asarray(out.logprobs[:n]),
-            np.asarray(out.top_token_ids[:n]),
-            np.asarray(out.top_logprobs[:n]),
-        )
+        return PendingStep(out, step.num_seqs)
 
     def warmup(self, steps: list[StepInput]) -> None:
         """Compiles the step for every bucket (all-padding inputs change no KV) and the swaps."""

@@ -70,6 +70,14 @@ def test_small_pool_with_preemption_matches(llama_dir, prompts, expected, mode):
     assert got == expected
 
 
+def test_sync_scheduling_matches_async_and_transformers(llama_dir, prompts, expected):
+    # Every other test here runs the default (async); the synchronous engine must agree,
+    # on a pool small enough that preemption hits requests with a token in flight.
+    got = run_engine(llama_dir, prompts, num_kv_blocks=20, async_scheduling=False)
+    assert run_engine.last_stats["num_preemptions"] > 0, "pool meant to force preemption"
+    assert got == expected
+
+
 def test_chunked_prefill_with_small_budget_matches(llama_dir, prompts, expected):
     got = run_engine(llama_dir, prompts, max_num_batched_tokens=8, max_num_seqs=4)
     assert got == expected
