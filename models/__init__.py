@@ -12,18 +12,22 @@ from paged_jax.models.attention import AttentionMetadata, KVCache
 from paged_jax.models.checkpoint import load_model_from_orbax, save_params
 from paged_jax.models.config import ModelConfig, RopeConfig
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from paged_jax.models.gpt2 import GPT2LMHeadModel
 from paged_jax.models.llama import LlamaForCausalLM
 from paged_jax.models.loader import load_config, load_model
 from paged_jax.models.mistral import MistralForCausalLM
 from paged_jax.models.opt import OPTForCausalLM
 from paged_jax.models.qwen2 import Qwen2ForCausalLM
+from paged_jax.models.qwen3 import Qwen3ForCausalLM
 from paged_jax.models.registry import MODEL_CLASSES, model_class_for, supported_architectures
 
 __all__ = [
     "MODEL_CLASSES",
     "AttentionMetadata",
     "CausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
     "GPT2LMHeadModel",
     "KVCache",
     "LlamaForCausalLM",
@@ -31,6 +35,7 @@ __all__ = [
     "ModelConfig",
     "OPTForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "RopeConfig",
     "load_config",
     "load_model",

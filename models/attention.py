@@ -31,6 +31,9 @@ class AttentionMetadata(NamedTuple):
         query_start_loc: i32[S + 1] offsets of each sequence's new tokens in the token rows.
         logits_indices: i32[S] token row whose logits are returned for each sequence
             (usually query_start_loc[1:] - 1); any valid row for padding sequences.
+        extra_slot_mappings: i32[T] per further KV-cache group (groups 1..G-1): models
+            with full and sliding-window layers keep one block table per group.
+        extra_block_tables: i32[S, W] per further KV-cache group.
     """
 
     slot_mapping: jax.Array
@@ -38,6 +41,24 @@ class AttentionMetadata(NamedTuple):
     seq_lens: jax.Array
     query_start_loc: jax.Array
     logits_indices: jax.Array
+    extra_slot_mappings: tuple[jax.Array, ...] = ()
+    extra_block_tables: tuple[jax.Array, ...] = ()
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV-cache group `group` reads (its slots and table)."""
+        if group == 0:
+            return self
+        if group > len(self.extra_block_tables):
+            raise ValueError(
+                f"kv_cache_group={group} needs extra_block_tables/extra_slot_mappings for "
+                f"groups 1..{group}; attn_metadata carries {len(self.extra_block_tables)}"
+            )
+        return self._replace(
+            slot_mapping=self.extra_slot_mappings[group - 1],
+            block_tables=self.extra_block_tables[group - 1],
+            extra_slot_mappings=(),
+            extra_block_tables=(),
+        )
 
 
 def causal_attention(
@@ -47,10 +68,12 @@ def causal_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # f[batch, seq, num_heads, head_dim]
     """Dense causal attention over full rows, GQA by grouping query heads per KV head.
 
-    Query i sees keys j with j <= i and, with a window, i - j < sliding_window.
+    Query i sees keys j with j <= i and, with a window, i - j < sliding_window. A soft
+    cap maps scaled scores s to cap * tanh(s / cap) before masking (Gemma 2).
     """
     batch, seq, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -64,25 +87,58 @@ def causal_attention(
     visible = k_pos <= q_pos  # bool[seq_q, seq_k]
     if sliding_window is not None:
         visible &= q_pos - k_pos < sliding_window
-    scores = jnp.where(visible, scores * scale, -jnp.inf)
+    scores = scores * scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)  # f[batch, seq, kv_heads, group, head_dim]
     return out.reshape(batch, seq, num_heads, head_dim)
 
 
 class Attention(nnx.Module):
-    """q/k/v/o projections, optional rotary embedding, dense or paged attention core.
+    """q/k/v/o projections, optional q/k norms and rotary embedding, dense or paged core.
 
-    Params: q_proj, k_proj, v_proj (kernel f[hidden, heads * head_dim]), o_proj.
+    Params: q_proj, k_proj, v_proj (kernel f[hidden, heads * head_dim]), o_proj; q_norm,
+    k_norm (scale f[head_dim]) when qk_norm_cls is given (Qwen3, Gemma 3).
+
+    Args:
+        config: the model config (scale, window, soft cap and rope of this layer).
+        layer_idx: this layer's index.
+        use_rope: apply rotary embeddings.
+        qk_norm_cls: per-head norm of q and k before the rotary embedding, or None.
+        kv_cache_group: the KV-cache group whose block table this layer reads.
+        rngs: parameter initialisation.
     """
 
-    def __init__(self, config: ModelConfig, layer_idx: int, *, use_rope: bool, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        *,
+        use_rope: bool,
+        rngs: nnx.Rngs,
+        qk_norm_cls: type[nnx.Module] | None = None,
+        kv_cache_group: int = 0,
+    ):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.soft_cap = config.attn_logit_softcapping
         self.sliding_window = config.layer_sliding_window(layer_idx)
-        self.rope = config.rope if use_rope else None
+        self.rope = config.layer_rope(layer_idx) if use_rope else None
+        self.kv_cache_group = kv_cache_group
+        self.q_norm = (
+            qk_norm_cls(config.head_dim, eps=config.norm_eps, dtype=config.dtype)
+            if qk_norm_cls
+            else None
+        )
+        self.k_norm = (
+            qk_norm_cls(config.head_dim, eps=config.norm_eps, dtype=config.dtype)
+            if qk_norm_cls
+            else None
+        )
         hidden, q_dim = config.hidden_size, self.num_heads * self.head_dim
         kv_dim = self.num_kv_heads * self.head_dim
         self.q_proj = linear(hidden, q_dim, bias=config.qkv_bias, config=config, rngs=rngs)
@@ -99,6 +155,8 @@ class Attention(nnx.Module):
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q = apply_rotary(q, positions, self.rope)
             k = apply_rotary(k, positions, self.rope)
@@ -111,7 +169,14 @@ class Attention(nnx.Module):
     ) -> jax.Array:  # f[batch, seq, hidden]
         """Dense causal self-attention over whole rows."""
         q, k, v = self._qkv(x, positions)
-        out = causal_attention(q, k, v, scale=self.scale, sliding_window=self.sliding_window)
+        out = causal_attention(
+            q,
+            k,
+            v,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
+        )
         return self.o_proj(out.reshape(*x.shape[:-1], self.num_heads * self.head_dim))
 
     def forward_paged(
@@ -122,7 +187,11 @@ class Attention(nnx.Module):
         attn_metadata: AttentionMetadata,
         ops: Any,  # pallas_kernels.AttentionOps
     ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
-        """Writes this step's K/V into the paged cache, then ragged paged attention."""
+        """Writes this step's K/V into the paged cache, then ragged paged attention.
+
+        Reads and writes through its own KV-cache group's slot mapping and block table.
+        """
+        attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         q, k, v = self._qkv(x, positions)
         k_cache, v_cache = ops.write_kv(kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping)
         out = ops.ragged_paged_attention(
@@ -134,6 +203,7 @@ class Attention(nnx.Module):
             attn_metadata.query_start_loc,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            soft_cap=self.soft_cap,
         )  # f[num_tokens, num_heads, head_dim]
         out = self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
         return out, (k_cache, v_cache)

@@ -119,6 +119,13 @@ class ModelConfig:
         pad_token_id: padding id, if any.
         dtype: parameter and activation dtype name.
         tie_word_embeddings: the output projection is the token embedding.
+        query_pre_attn_scalar: attention scale is query_pre_attn_scalar ** -0.5 (Gemma);
+            None means head_dim ** -0.5.
+        attn_logit_softcapping: cap * tanh(scores / cap) on scaled attention scores
+            before masking (Gemma 2); None: no cap.
+        final_logit_softcapping: the same transform on the output logits (Gemma 2).
+        local_rope: rotary parameters of sliding-window layers when they differ from
+            `rope` (Gemma 3's rope_local_base_freq); None: every layer uses `rope`.
         generation_config: generation_config.json as read (not hashed or compared).
     """
 
@@ -147,6 +154,10 @@ class ModelConfig:
     pad_token_id: int | None = None
     dtype: str = "float32"
     tie_word_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope: RopeConfig | None = None
     generation_config: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False
     )
@@ -197,6 +208,18 @@ class ModelConfig:
             return self.sliding_window
         return None
 
+    def layer_rope(self, layer_idx: int) -> RopeConfig | None:
+        """The rotary parameters of layer `layer_idx` (local_rope on window layers if set)."""
+        if self.local_rope is not None and self.layer_types[layer_idx] == "sliding_attention":
+            return self.local_rope
+        return self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale: query_pre_attn_scalar ** -0.5 if set, else head_dim ** -0.5."""
+        base = self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim
+        return float(base) ** -0.5
+
     def to_json_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict; `from_json_dict` inverts it."""
         out = dataclasses.asdict(self)
@@ -207,8 +230,9 @@ class ModelConfig:
     def from_json_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
         """Rebuilds a config written by `to_json_dict`."""
         data = dict(data)
-        if data.get("rope") is not None:
-            data["rope"] = RopeConfig(**data["rope"])
+        for name in ("rope", "local_rope"):
+            if data.get(name) is not None:
+                data[name] = RopeConfig(**data[name])
         for name in ("layer_types", "eos_token_ids"):
             data[name] = tuple(data.get(name) or ())
         return cls(**data)

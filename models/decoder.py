@@ -19,8 +19,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
+from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
 from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
 from paged_jax.models.config import ModelConfig
+from paged_jax.models.kv_layout import KVCacheLayout, kv_cache_layout
 from paged_jax.models.layers import GatedMLP, RMSNorm, linear
 
 
@@ -36,10 +38,19 @@ class DecoderLayer(nnx.Module):
         mlp_cls: type[nnx.Module],
         use_rope: bool,
         rngs: nnx.Rngs,
+        qk_norm_cls: type[nnx.Module] | None = None,
+        kv_cache_group: int = 0,
     ):
         self.pre_norm = config.pre_norm
         self.attn_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
-        self.attn = Attention(config, layer_idx, use_rope=use_rope, rngs=rngs)
+        self.attn = Attention(
+            config,
+            layer_idx,
+            use_rope=use_rope,
+            rngs=rngs,
+            qk_norm_cls=qk_norm_cls,
+            kv_cache_group=kv_cache_group,
+        )
         self.mlp_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
         self.mlp = mlp_cls(config, rngs=rngs)
 
@@ -91,6 +102,9 @@ class CausalLM(nnx.Module):
     architectures: ClassVar[tuple[str, ...]]
     norm_cls: ClassVar[type[nnx.Module]] = RMSNorm
     mlp_cls: ClassVar[type[nnx.Module]] = GatedMLP
+    layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
+    # Per-head norm of q and k before rotary (Qwen3, Gemma 3); None: no q/k norm.
+    qk_norm_cls: ClassVar[type[nnx.Module] | None] = None
     use_rope: ClassVar[bool] = True
     # Learned absolute positions are looked up at position + offset (OPT: 2); None: no table.
     position_offset: ClassVar[int | None] = None
@@ -133,15 +147,22 @@ class CausalLM(nnx.Module):
         self.project_out = (
             linear(hidden, embed_dim, bias=False, config=config, rngs=rngs) if projected else None
         )
+        # Layers of one attention type share a KV-cache group (one block table); layer
+        # k of every group shares device tensor k (block ids never overlap across groups).
+        self.kv_layout: KVCacheLayout = kv_cache_layout(
+            [config.layer_sliding_window(i) for i in range(config.num_hidden_layers)]
+        )
         self.layers = nnx.List(
             [
-                DecoderLayer(
+                self.layer_cls(
                     config,
                     i,
                     norm_cls=self.norm_cls,
                     mlp_cls=self.mlp_cls,
                     use_rope=self.use_rope,
                     rngs=rngs,
+                    qk_norm_cls=self.qk_norm_cls,
+                    kv_cache_group=self.kv_layout.group_of_layer[i],
                 )
                 for i in range(config.num_hidden_layers)
             ]
@@ -218,21 +239,21 @@ class CausalLM(nnx.Module):
             token_ids: new tokens of all sequences, back to back; padding rows past
                 attn_metadata.query_start_loc[-1] may hold any id.
             positions: position of each token in its sequence; 0 for padding rows.
-            kv_caches: per layer (k_cache, v_cache) from `init_kv_caches`; donate them.
+            kv_caches: per KV tensor (k_cache, v_cache) from `init_kv_caches`; donate them.
             attn_metadata: slot mapping, block tables, lengths and logits rows.
             attention_backend: overrides `self.attention_backend`; must be static.
 
         Returns:
             Logits at attn_metadata.logits_indices and the updated caches.
         """
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {len(self.layers)}")
+        layout = self.kv_layout
+        if len(kv_caches) != layout.num_tensors:
+            raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {layout.num_tensors}")
         ops = pallas_kernels.get_attention_ops(attention_backend or self.attention_backend)
         x = self._embed(token_ids, positions)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer.forward_paged(x, positions, kv_cache, attn_metadata, ops)
-            new_caches.append(kv_cache)
+        new_caches = list(kv_caches)
+        for layer, t in zip(self.layers, layout.tensor_of_layer):
+            x, new_caches[t] = layer.forward_paged(x, positions, new_caches[t], attn_metadata, ops)
         return self._logits(x[attn_metadata.logits_indices]), new_caches
 
     # -- KV cache -----------------------------------------------------------------------
@@ -243,17 +264,25 @@ class CausalLM(nnx.Module):
             num_blocks, block_size, config.num_key_value_heads, config.head_dim, dtype
         )
 
+    def kv_cache_groups(self) -> tuple[KVCacheGroupSpec, ...]:
+        """One KV-cache group per attention type: full attention, then each window."""
+        return self.kv_layout.groups
+
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype: Any = None) -> list[KVCache]:
-        """Zeroed paged KV caches, one (k_cache, v_cache) per layer (kernels' layout)."""
+        """Zeroed paged KV caches, one (k_cache, v_cache) per KV tensor (kernels' layout).
+
+        One tensor per layer for single-group models; with several groups, the largest
+        group's layer count (layer k of each group uses tensor k).
+        """
         dtype = jnp.dtype(dtype or self.config.dtype)
         return [
             self._init_layer_cache(num_blocks, block_size, dtype)
-            for _ in range(self.config.num_hidden_layers)
+            for _ in range(self.kv_layout.num_tensors)
         ]
 
     def kv_bytes_per_block(self, block_size: int, dtype: Any = None) -> int:
-        """Device bytes one block takes across all layers (K and V), in the kernels' layout."""
+        """Device bytes one block id takes across all KV tensors (K and V)."""
         dtype = jnp.dtype(dtype or self.config.dtype)
         shapes = jax.eval_shape(lambda: self._init_layer_cache(1, block_size, dtype))
         per_layer = sum(math.prod(s.shape) * s.dtype.itemsize for s in shapes)
-        return per_layer * self.config.num_hidden_layers
+        return per_layer * self.kv_layout.num_tensors

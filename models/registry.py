@@ -6,11 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from paged_jax.models.gpt2 import GPT2LMHeadModel
 from paged_jax.models.llama import LlamaForCausalLM
 from paged_jax.models.mistral import MistralForCausalLM
 from paged_jax.models.opt import OPTForCausalLM
 from paged_jax.models.qwen2 import Qwen2ForCausalLM
+from paged_jax.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     cls.model_type: cls
@@ -20,6 +22,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         MistralForCausalLM,
         GPT2LMHeadModel,
         OPTForCausalLM,
+        Qwen3ForCausalLM,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
     )
 }
 

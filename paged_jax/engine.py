@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.config import EngineConfig, cdiv
+from paged_jax.config import EngineConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
@@ -94,6 +95,19 @@ class _ReqState:
     stop_reason: str | int | None = None
 
 
+def model_kv_cache_groups(model: Any) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV-cache groups, or one full-attention group over all its layers.
+
+    A model declares groups (full attention, sliding windows) with an optional
+    ``kv_cache_groups()`` method; without one its window layers (if any) still attend
+    through their window but keep every block.
+    """
+    method = getattr(model, "kv_cache_groups", None)
+    if callable(method):
+        return tuple(method())
+    return (KVCacheGroupSpec(None, tuple(range(int(model.config.num_hidden_layers)))),)
+
+
 class Engine:
     """Continuous-batching engine over one model.
 
@@ -127,6 +141,7 @@ class Engine:
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
         self.detokenize = detokenize
+        groups = model_kv_cache_groups(model)
         self.runner = Runner(model, config)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
@@ -134,9 +149,11 @@ class Engine:
             enable_prefix_caching=config.enable_prefix_caching,
             hash_algo=config.hash_algo,
             max_model_len=config.max_model_len,
+            kv_cache_groups=groups,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        self.input_batch = InputBatch(config)
+        self.input_batch = InputBatch(config, kv_cache_groups=groups)
+        self._blocks_per_request_peak = 0
         self._seed_rng = np.random.default_rng(config.seed)
         self._states: dict[str, _ReqState] = {}
         self._step_times: list[float] = []
@@ -185,7 +202,9 @@ class Engine:
                 f"len(prompt_token_ids)={req.num_prompt_tokens} must be < max_model_len="
                 f"{max_len} (room for at least one generated token)"
             )
-        need = cdiv(req.num_prompt_tokens + 1, self.config.block_size)
+        need = self.kv_cache_manager.max_blocks_per_request(
+            req.num_prompt_tokens + 1, self.config.max_num_batched_tokens
+        )
         if need > self.kv_cache_manager.num_usable_blocks:
             raise ValueError(
                 f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "
@@ -226,6 +245,7 @@ class Engine:
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         launched = None
         if out.scheduled:
+            self._record_blocks_per_request(out)
             launched = InFlightStep.launch(
                 out, sched.requests, self.runner.dispatch(self.input_batch.prepare(out.scheduled))
             )
@@ -330,6 +350,19 @@ class Engine:
                 st.logprobs.append(entry)
         return sampled
 
+    def _record_blocks_per_request(self, out) -> None:
+        """Peak real blocks held by one request in a decode step (one generated token in)."""
+        kv = self.kv_cache_manager
+        requests = self.scheduler.requests
+        for seq in out.scheduled:
+            if (
+                seq.num_new_tokens == 1
+                and seq.num_computed_tokens >= requests[seq.req_id].num_prompt_tokens
+            ):
+                held = kv.get_num_blocks_held(seq.req_id)
+                if held > self._blocks_per_request_peak:
+                    self._blocks_per_request_peak = held
+
     def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
         if params.min_tokens == 0:
             return []
@@ -393,6 +426,8 @@ class Engine:
             "prefix_cache_hit_rate": stats.hit_rate,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "kv_cache_usage_peak": self._usage_peak,
+            # Most KV blocks (all groups, nulls excluded) one request held in a decode step.
+            "kv_blocks_per_request_peak": self._blocks_per_request_peak,
             "num_kv_blocks": self.runner.num_kv_blocks,
             "num_compiles": total,
             "num_compiles_after_warmup": after,

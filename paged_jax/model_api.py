@@ -50,12 +50,18 @@ class PagedModel(Protocol):
 
     A Flax NNX module is jitted by splitting it into (graphdef, state) so its weights are
     arguments of the step; any other object is closed over (its arrays become constants).
+
+    Optional: ``kv_cache_groups() -> tuple[paged_jax.core.kv_cache_spec.KVCacheGroupSpec,
+    ...]`` declares one KV-cache group per attention type (full, sliding window W). The
+    engine then keeps one block table per group, frees out-of-window blocks, and passes
+    groups 1.. in ``attn_metadata.extra_slot_mappings`` / ``extra_block_tables``. Without
+    it the engine uses one full-attention group (windows, if any, keep every block).
     """
 
     config: PagedModelConfig
 
     def init_kv_caches(self, num_blocks: int, block_size: int, dtype: Any = None) -> list[KVCache]:
-        """Zeroed paged caches: one (k_cache, v_cache) per layer.
+        """Zeroed paged caches: one (k_cache, v_cache) per layer (or per shared KV tensor).
 
         Args:
             num_blocks: pool size, null block 0 included.
@@ -63,7 +69,8 @@ class PagedModel(Protocol):
             dtype: cache dtype; None means ``config.dtype``.
 
         Returns:
-            ``num_hidden_layers`` pairs of f[num_blocks, num_kv_heads, block_size, head_dim].
+            ``num_hidden_layers`` pairs of f[num_blocks, num_kv_heads, block_size, head_dim]
+            (fewer when groups share tensors, as paged_jax.models' hybrid models do).
         """
         ...
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt", "qwen3", "gemma2", "gemma3_text")
 
 # Tiny shapes: hidden 64, 2 layers, 4 query heads / 2 KV heads where the family has GQA.
 _TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -56,6 +56,31 @@ _TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 _TINY_CONFIGS["qwen2"] = dict(_TINY_CONFIGS["llama"], bos_token_id=None, eos_token_id=2)
 _TINY_CONFIGS["mistral"] = dict(_TINY_CONFIGS["llama"], sliding_window=16)
+# head_dim 32 != hidden / heads, so the q/k norms and projections see the explicit width.
+_TINY_CONFIGS["qwen3"] = dict(_TINY_CONFIGS["llama"], head_dim=32, bos_token_id=None)
+# Gemma 2: 4 layers (window on 0 and 2), a scale that is not head_dim ** -0.5 and soft
+# caps small enough to bend the tiny model's scores and logits.
+_TINY_CONFIGS["gemma2"] = dict(
+    _TINY_CONFIGS["llama"],
+    num_hidden_layers=4,
+    head_dim=16,
+    query_pre_attn_scalar=24,
+    sliding_window=8,
+    attn_logit_softcapping=5.0,
+    final_logit_softcapping=10.0,
+    pad_token_id=0,
+)
+# Gemma 3 text: 6 layers (5 windowed, layer 5 global) and distinct global/local rope bases.
+_TINY_CONFIGS["gemma3_text"] = dict(
+    _TINY_CONFIGS["gemma2"],
+    num_hidden_layers=6,
+    attn_logit_softcapping=None,
+    final_logit_softcapping=None,
+    rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+    },
+)
 
 
 def _config_class(family: str):
@@ -67,6 +92,9 @@ def _config_class(family: str):
         "mistral": transformers.MistralConfig,
         "gpt2": transformers.GPT2Config,
         "opt": transformers.OPTConfig,
+        "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3_text": transformers.Gemma3TextConfig,
     }[family]
 
 
@@ -114,7 +142,7 @@ def build_tiny_hf_checkpoint(
 def tiny_hf_checkpoint(tmp_path_factory):
     """Factory `(family, *, seed=0, max_shard_size=None, **config_overrides) -> Path`.
 
-    family is one of llama, qwen2, mistral, gpt2, opt. Checkpoints are built once per
+    family is one of FAMILIES. Checkpoints are built once per
     distinct arguments and shared by the session: copy one before changing its files.
     """
     cache: dict[str, pathlib.Path] = {}

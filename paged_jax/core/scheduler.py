@@ -73,6 +73,13 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager):
         assert config.max_model_len is not None, "the engine resolves max_model_len first"
+        if config.preemption_mode == "swap" and kv_cache_manager.has_sliding_window:
+            # A swapped-out window table holds nulls below the window; restoring it would
+            # hash fresh blocks whose contents were never computed.
+            raise ValueError(
+                f"EngineConfig.preemption_mode={config.preemption_mode!r} must be 'recompute' "
+                "for models with sliding-window KV groups"
+            )
         self.config = config
         self.kv = kv_cache_manager
         self.block_size = config.block_size
@@ -119,7 +126,7 @@ class Scheduler:
             return (
                 f"the request's {req.num_tokens} tokens exceed max_model_len={self.max_model_len}"
             )
-        need = cdiv(req.num_tokens, self.block_size)
+        need = self.kv.max_blocks_per_request(req.num_tokens, self.config.max_num_batched_tokens)
         if need > self.num_usable_blocks:
             return (
                 f"the request's {req.num_tokens} tokens need {need} KV blocks but the pool "
@@ -156,8 +163,8 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue
-            if new_blocks.blocks[0]:
-                out.new_block_ids[req.request_id] = [b.block_id for b in new_blocks.blocks[0]]
+            if any(new_blocks.blocks):
+                out.new_block_ids[req.request_id] = new_blocks.get_block_ids()
             scheduled[req.request_id] = ScheduledSeq(
                 req.request_id,
                 req.num_computed_tokens,
@@ -209,9 +216,9 @@ class Scheduler:
                     req.num_computed_tokens = swapped_tokens
                     break
                 num_computed = swapped_tokens
-                block_ids = list(self.kv.get_block_ids(req))
+                block_ids = self.kv.get_block_ids_per_group(req)
                 out.swap_in.append(
-                    (req.request_id, block_ids[: cdiv(swapped_tokens, self.block_size)])
+                    (req.request_id, block_ids[0][: cdiv(swapped_tokens, self.block_size)])
                 )
                 del self.swapped[req.request_id]
             else:
@@ -227,7 +234,7 @@ class Scheduler:
                     is None
                 ):
                     break  # head-of-line blocking: waiting requests never preempt
-                block_ids = list(self.kv.get_block_ids(req))
+                block_ids = self.kv.get_block_ids_per_group(req)
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_computed

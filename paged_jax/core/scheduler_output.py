@@ -30,11 +30,14 @@ class ScheduledSeq:
 
 @dataclasses.dataclass
 class NewRow:
-    """A request entering the device batch (newly admitted or resumed): its whole state."""
+    """A request entering the device batch (newly admitted or resumed): its whole state.
+
+    block_ids holds one block table per KV-cache group (0 = null, below a window).
+    """
 
     req_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
@@ -48,7 +51,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
     new_rows: list[NewRow] = dataclasses.field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    # req_id -> blocks appended this step, one list per KV-cache group.
+    new_block_ids: dict[str, tuple[list[int], ...]] = dataclasses.field(default_factory=dict)
     removed_req_ids: list[str] = dataclasses.field(default_factory=list)
     preempted_req_ids: list[str] = dataclasses.field(default_factory=list)
     # (req_id, block ids whose contents go to host) — read before any write this step.

@@ -9,6 +9,11 @@ step's (num_tokens, num_seqs) bucket so the jitted step never sees a new shape.
     query_start_loc:  0        3    4          9 (= num real tokens) ... padding
     tokens:           [a a a | b | c c c c c | pad pad ...]
     sequence a: 3 new tokens at positions seq_len_a-3 .. seq_len_a-1
+
+A model with several KV-cache groups (full attention + sliding windows) has one block
+table and one slot mapping per group: group 0 in `block_tables` / `slot_mapping`, the
+others in `extra_block_tables` / `extra_slot_mappings`. Window tables read 0 (the null
+block) for blocks wholly below the window, as the host's managers hold them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paged_jax.config import EngineConfig, bucket_for
+from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 
@@ -29,7 +35,8 @@ PAD_SLOT_ID = -1
 class StepInput:
     """Everything one jitted step reads, padded to a (num_tokens, num_seqs) bucket.
 
-    T = padded num_tokens, S = padded num_seqs, W = max_blocks_per_seq, K = stop-id width.
+    T = padded num_tokens, S = padded num_seqs, W = max_blocks_per_seq, K = stop-id width,
+    G = number of KV-cache groups (slot_mapping and block_tables are group 0's).
     """
 
     token_ids: np.ndarray  # i32[T]
@@ -50,6 +57,8 @@ class StepInput:
     sample_rows: np.ndarray  # i32[S]; row that keeps the sample on device; R = padding
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
+    extra_slot_mappings: tuple[np.ndarray, ...] = ()  # G - 1 x i32[T]: groups 1..G-1
+    extra_block_tables: tuple[np.ndarray, ...] = ()  # G - 1 x i32[S, W]: groups 1..G-1
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -60,15 +69,25 @@ class StepInput:
 class InputBatch:
     """Persistent per-request rows and the packing of a step's StepInput."""
 
-    def __init__(self, config: EngineConfig, stop_ids_width: int = MAX_MIN_TOKENS_STOP_IDS):
+    def __init__(
+        self,
+        config: EngineConfig,
+        stop_ids_width: int = MAX_MIN_TOKENS_STOP_IDS,
+        *,
+        kv_cache_groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
+    ):
         self.config = config
         self.block_size = config.block_size
         n, w = config.max_num_seqs, config.max_blocks_per_seq
         self.max_model_len = config.max_model_len
         self.token_ids = np.zeros((n, config.max_model_len), np.int32)
         self.num_token_ids = np.zeros(n, np.int32)
-        self.block_tables = np.zeros((n, w), np.int32)
-        self.num_blocks = np.zeros(n, np.int32)
+        self.windows = tuple(g.sliding_window for g in kv_cache_groups)
+        # Per group: block tables i32[n, w] and their filled lengths i32[n].
+        self.group_block_tables = [np.zeros((n, w), np.int32) for _ in self.windows]
+        self.group_num_blocks = [np.zeros(n, np.int32) for _ in self.windows]
+        self.block_tables = self.group_block_tables[0]
+        self.num_blocks = self.group_num_blocks[0]
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
         self.top_p = np.ones(n, np.float32)
@@ -96,8 +115,9 @@ class InputBatch:
         self.req_of_row[row] = req_id
         self.num_token_ids[row] = 0
         self.append_token_ids(req_id, token_ids)
-        self.num_blocks[row] = 0
-        self.block_tables[row] = 0
+        for table, num in zip(self.group_block_tables, self.group_num_blocks):
+            num[row] = 0
+            table[row] = 0
         self.append_block_ids(req_id, block_ids)
         self.temperature[row] = params.temperature
         self.top_k[row] = params.effective_top_k
@@ -115,8 +135,9 @@ class InputBatch:
         """Free the request's row (its contents are overwritten on reuse)."""
         row = self.row_of.pop(req_id)
         self.req_of_row[row] = None
-        self.block_tables[row, : self.num_blocks[row]] = 0
-        self.num_blocks[row] = 0
+        for table, num in zip(self.group_block_tables, self.group_num_blocks):
+            table[row, : num[row]] = 0
+            num[row] = 0
 
     def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None:
         row = self.row_of[req_id]
@@ -126,15 +147,28 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_token_ids[row] = end
 
-    def append_block_ids(self, req_id: str, block_ids: Sequence[int]) -> None:
-        if not block_ids:
-            return
+    def _per_group(self, block_ids) -> Sequence[Sequence[int]]:
+        """A flat id list (single-group models) or one list per group -> per group."""
+        if len(self.windows) == 1 and (not block_ids or not isinstance(block_ids[0], Sequence)):
+            return (block_ids,)
+        assert len(block_ids) == len(self.windows), "one block-id list per KV-cache group"
+        return block_ids
+
+    def append_block_ids(
+        self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]]
+    ) -> None:
+        """Appends blocks to the request's table(s): a flat list or one list per group."""
         row = self.row_of[req_id]
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        assert end <= self.block_tables.shape[1], "block table wider than max_blocks_per_seq"
-        self.block_tables[row, start:end] = block_ids
-        self.num_blocks[row] = end
+        for g, ids in enumerate(self._per_group(block_ids)):
+            if not len(ids):
+                continue
+            num = self.group_num_blocks[g]
+            start = int(num[row])
+            end = start + len(ids)
+            table = self.group_block_tables[g]
+            assert end <= table.shape[1], "block table wider than max_blocks_per_seq"
+            table[row, start:end] = ids
+            num[row] = end
 
     # ----------------------------------------------------------------- step
     def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInput:
@@ -160,7 +194,6 @@ class InputBatch:
 
         token_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
         token_ids[:num_tokens] = self.token_ids[row_of_token, pos]
         # A token the host does not have yet (async scheduling: sampled by the step in
         # flight) is read on device from its row's last sample.
@@ -169,12 +202,22 @@ class InputBatch:
             pos >= self.num_token_ids[row_of_token], row_of_token, -1
         )
         positions[:num_tokens] = pos
-        block_ids = self.block_tables[row_of_token, pos // self.block_size]
-        assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
-        slot_mapping[:num_tokens] = block_ids * self.block_size + pos % self.block_size
-
-        block_tables = np.zeros((s_pad, self.block_tables.shape[1]), np.int32)
-        block_tables[:num_seqs] = self.block_tables[rows]
+        slot_mappings, block_tables = [], []
+        for table, window in zip(self.group_block_tables, self.windows):
+            slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
+            block_ids = table[row_of_token, pos // self.block_size]
+            assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
+            slot_mapping[:num_tokens] = block_ids * self.block_size + pos % self.block_size
+            tables = np.zeros((s_pad, table.shape[1]), np.int32)
+            tables[:num_seqs] = table[rows]
+            if window is not None:
+                # Blocks wholly below this step's window were freed (and may be reused):
+                # null them, exactly as SlidingWindowManager did before this step.
+                num_dead = np.maximum(computed - window + 1, 0) // self.block_size
+                cols = np.arange(table.shape[1])
+                tables[:num_seqs][cols[None, :] < num_dead[:, None]] = 0
+            slot_mappings.append(slot_mapping)
+            block_tables.append(tables)
         seq_lens = np.zeros(s_pad, np.int32)
         seq_lens[:num_seqs] = computed + num_new
         query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
@@ -199,8 +242,8 @@ class InputBatch:
         return StepInput(
             token_ids=token_ids,
             positions=positions,
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
+            slot_mapping=slot_mappings[0],
+            block_tables=block_tables[0],
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             logits_indices=logits_indices,
@@ -215,6 +258,8 @@ class InputBatch:
             sample_rows=sample_rows,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            extra_slot_mappings=tuple(slot_mappings[1:]),
+            extra_block_tables=tuple(block_tables[1:]),
         )
 
     def dummy_step_input(self, num_tokens: int, num_seqs: int) -> StepInput:
@@ -240,4 +285,6 @@ class InputBatch:
             sample_rows=np.full(s, len(self.req_of_row), np.int32),
             num_tokens=0,
             num_seqs=0,
+            extra_slot_mappings=tuple(np.full(t, PAD_SLOT_ID, np.int32) for _ in self.windows[1:]),
+            extra_block_tables=tuple(np.zeros((s, w), np.int32) for _ in self.windows[1:]),
         )

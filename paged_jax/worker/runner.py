@@ -193,6 +193,8 @@ class Runner:
             seq_lens=step.seq_lens,
             query_start_loc=step.query_start_loc,
             logits_indices=step.logits_indices,
+            extra_slot_mappings=step.extra_slot_mappings,
+            extra_block_tables=step.extra_block_tables,
         )
         samp = SamplingMetadata(
             temperature=step.temperature,

@@ -10,7 +10,7 @@ import pytest
 
 from paged_jax.models import load_model
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
+FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt", "qwen3", "gemma2", "gemma3_text")
 F32_ATOL = 1e-4
 # bf16 params and activations against transformers in bf16, logits of magnitude ~3:
 # measured 0.027-0.039 over the five families, the same size as transformers' own
