@@ -35,7 +35,7 @@ SAME_ROPE = {
         pytest.param("gemma2", dict(attn_logit_softcapping=None), id="attn-softcap"),
         pytest.param("gemma2", dict(final_logit_softcapping=None), id="final-softcap"),
         pytest.param("gemma2", dict(query_pre_attn_scalar=16), id="query-scalar"),
-        pytest.param("gemma2", dict(sliding_window=None), id="window"),
+        pytest.param("gemma2", dict(sliding_window=4), id="window"),
         pytest.param("gemma3_text", dict(rope_parameters=SAME_ROPE), id="local-rope"),
     ],
 )
