@@ -400,10 +400,14 @@ class Engine:
         )
 
     # ------------------------------------------------------------ warmup + stats
-    def warmup(self) -> int:
-        """Compiles the step for every (num_tokens, num_seqs) bucket; returns the count."""
+    def warmup(self, on_bucket: Callable[[int, int, tuple[int, int]], None] | None = None) -> int:
+        """Compiles the step for every (num_tokens, num_seqs) bucket; returns the count.
+
+        on_bucket: optional progress callback (i, num_buckets, (num_tokens, num_seqs)).
+        """
         shapes = self.config.step_shapes()
-        self.runner.warmup([self.input_batch.dummy_step_input(t, s) for t, s in shapes])
+        steps = [self.input_batch.dummy_step_input(t, s) for t, s in shapes]
+        self.runner.warmup(steps, on_bucket)
         self._compiles_after_warmup = num_backend_compiles()
         return len(shapes)
 

@@ -2,6 +2,8 @@
 
 llm = LLM("path/to/hf_model", max_num_seqs=64)
 outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
+outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
+for index, out in llm.generate_iter(prompts, params): ...   # finish order, errors isolated
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ import dataclasses
 import itertools
 import pathlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from paged_jax.chat_template import ChatTemplate, check_messages
+from paged_jax.compile_cache import enable_compile_cache, resolve_compile_cache_dir
 from paged_jax.config import EngineConfig
 from paged_jax.engine import Engine, EngineOutput
 from paged_jax.model_api import PagedModel, check_paged_model
@@ -20,6 +24,7 @@ from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _resolve_dtype(dtype: str) -> str:
@@ -51,6 +56,11 @@ class LLM:
         tokenizer: for a model object only: a ``tokenizers.Tokenizer`` or a path to a
             tokenizer.json; without one, prompts must be token ids.
         warmup: compile every step bucket at construction (so generate never compiles).
+        compile_cache: JAX's persistent compilation cache: False (default) leaves JAX's
+            setting alone, True uses $PAGED_JAX_COMPILE_CACHE or
+            ~/.cache/paged_jax/jax_compile_cache, a path chooses the directory.
+            PAGED_JAX_COMPILE_CACHE=0 turns it off whatever is passed.
+        chat_template: Jinja text overriding the checkpoint's chat template (LLM.chat).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, seed, hash_algo).
@@ -67,6 +77,8 @@ class LLM:
         *,
         tokenizer: Any = None,
         warmup: bool = True,
+        compile_cache: bool | str | pathlib.Path = False,
+        chat_template: str | None = None,
         **engine_args: Any,
     ):
         unknown = sorted(set(engine_args) - _ENGINE_FIELDS)
@@ -76,7 +88,13 @@ class LLM:
                 f"EngineConfig field; expected one of {sorted(_ENGINE_FIELDS)}"
             )
         config = EngineConfig(**engine_args)
+        from pallas_kernels.backend import check_backend
+
+        check_backend(config.attention_backend)
+        cache_dir = resolve_compile_cache_dir(compile_cache) if compile_cache else None
+        self.compile_cache_dir = None if cache_dir is None else enable_compile_cache(cache_dir)
         self.tokenizer = None
+        self.chat_template = None if chat_template is None else ChatTemplate(chat_template)
         if isinstance(model, (str, pathlib.Path)):
             path = pathlib.Path(model)
             if not path.is_dir():
@@ -90,6 +108,8 @@ class LLM:
             self.model = load_model(path, dtype=dtype, attention_backend=config.attention_backend)
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path / "tokenizer.json"
+            if self.chat_template is None:
+                self.chat_template = ChatTemplate.from_model_dir(path)
         else:
             check_paged_model(model)
             self.model = model
@@ -107,20 +127,21 @@ class LLM:
         if warmup:
             self.engine.warmup()
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; ValueError when there is no tokenizer."""
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (the tokenizer's post-processor adds BOS etc. by default);
+        ValueError when there is no tokenizer."""
         if self.tokenizer is None:
             raise ValueError(
                 f"prompt={text[:40]!r} is a string but the model directory has no "
                 "tokenizer.json: pass token ids instead"
             )
-        return self.tokenizer.encode(text).ids
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids`` (special tokens skipped); "" when there is no tokenizer."""
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``; "" when there is no tokenizer."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------------ generate
     def generate(
@@ -143,36 +164,185 @@ class LLM:
         """
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
-        engine = self.engine
         submitted: list[tuple[str, str | None, list[int], list[str]]] = []
-        added: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                text = prompt if isinstance(prompt, str) else None
-                ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                rid = str(next(self._ids))
-                children = []
-                for j in range(p.n):
-                    child = p
-                    if p.n > 1:
-                        # Children differ by seed and share the prompt's blocks through
-                        # the prefix cache.
-                        seed = None if p.seed is None else (p.seed + j) % 2**32
-                        child = dataclasses.replace(p, n=1, seed=seed)
-                    child_id = rid if p.n == 1 else f"{rid}_{j}"
-                    try:
-                        engine.add_request(child_id, ids, child)
-                    except ValueError as e:
-                        raise ValueError(f"prompts[{i}]: {e}") from e
-                    added.append(child_id)
-                    children.append(child_id)
-                submitted.append((rid, text, ids, children))
+                submitted.append(self._submit(i, prompt, p))
         except ValueError:
-            for cid in added:  # nothing ran yet: withdraw this call's requests
-                engine.abort_request(cid)
+            for *_, children in submitted:  # nothing ran yet: withdraw this call's requests
+                for cid in children:
+                    self.engine.abort_request(cid)
             raise
-        finished = self._run(len(added), use_tqdm)
-        return [self._collect(*s, finished) for s in submitted]
+        finished = self._run(sum(len(s[3]) for s in submitted), use_tqdm)
+        return [self._collect(*s, finished, p) for s, p in zip(submitted, params)]
+
+    def generate_iter(
+        self,
+        prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Like generate, but yields (prompt index, output) as each prompt finishes.
+
+        A prompt that cannot be served (empty, too long, a token id outside the
+        vocabulary, text without a tokenizer, a failed request) does not stop the
+        others: it is yielded as a RequestOutput whose `error` says why, with no
+        completions. Rejected prompts come first, then the rest in finish order.
+        """
+        prompts = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompts))
+        pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
+        remaining: dict[int, int] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                sub = self._submit(i, prompt, p)
+            except ValueError as err:
+                yield i, self._error_output(i, prompt, str(err))
+                continue
+            remaining[i] = len(sub[3])
+            for cid in sub[3]:
+                pending[cid] = (i, sub, p)
+        finished: dict[str, EngineOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id not in pending:
+                    continue  # a request added outside this call
+                i, sub, p = pending.pop(out.request_id)
+                finished[out.request_id] = out
+                remaining[i] -= 1
+                if remaining[i] == 0:
+                    result = self._collect(*sub, finished, p)
+                    errors = [c.error for c in result.outputs if c.finish_reason == "error"]
+                    if errors and len(errors) == len(result.outputs):
+                        result.error = errors[0] or "request failed"
+                    yield i, result
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates replies to one conversation or a list of them (vLLM's LLM.chat).
+
+        Each conversation is rendered with the checkpoint's chat template (or
+        `chat_template`) and tokenized without adding special tokens again.
+
+        Raises:
+            ValueError: no chat template, or a malformed conversation (naming its index).
+        """
+        return self.generate(
+            self.render_chat(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template=chat_template,
+            ),
+            sampling_params,
+            use_tqdm=use_tqdm,
+        )
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Conversations -> prompt dicts {"prompt": text, "prompt_token_ids": ids}."""
+        is_one = (
+            isinstance(messages, Sequence)
+            and len(messages) > 0
+            and isinstance(messages[0], Mapping)
+        )
+        conversations = [messages] if is_one else list(messages)
+        if not conversations:
+            raise ValueError(f"messages={messages!r} must be a conversation or a list of them")
+        template = self.chat_template if chat_template is None else ChatTemplate(chat_template)
+        if template is None:
+            raise ValueError(
+                "the model has no chat template (no chat_template.jinja and no "
+                "'chat_template' in tokenizer_config.json): pass chat_template="
+            )
+        prompts = []
+        for i, conv in enumerate(conversations):
+            where = "messages" if is_one else f"messages[{i}]"
+            text = template.render(
+                check_messages(conv, where),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
+            ids = self.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return prompts
+
+    def _prompt_ids(
+        self, prompt: str | list[int] | Mapping[str, Any]
+    ) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one prompt; ValueError when it cannot be served."""
+        if isinstance(prompt, Mapping):
+            unknown = sorted(set(prompt) - set(_PROMPT_KEYS))
+            if unknown:
+                raise ValueError(f"prompt key {unknown[0]!r} must be one of {_PROMPT_KEYS}")
+            text = prompt.get("prompt")
+            if "prompt_token_ids" in prompt:
+                return text, list(prompt["prompt_token_ids"])
+            if not isinstance(text, str):
+                raise ValueError(f"prompt={prompt!r} must hold 'prompt' or 'prompt_token_ids'")
+            prompt = text
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt='' must be a non-empty string")
+            ids = self.encode(prompt)
+            if not ids:
+                raise ValueError(f"prompt={prompt[:40]!r} tokenizes to no tokens")
+            return prompt, ids
+        return None, list(prompt)
+
+    def _submit(
+        self, i: int, prompt: Any, p: SamplingParams
+    ) -> tuple[str, str | None, list[int], list[str]]:
+        """Adds one prompt's n requests; on ValueError none of them stays in the engine."""
+        try:
+            text, ids = self._prompt_ids(prompt)
+        except ValueError as e:
+            raise ValueError(f"prompts[{i}]: {e}") from e
+        rid = str(next(self._ids))
+        children: list[str] = []
+        for j in range(p.n):
+            child = p
+            if p.n > 1:
+                # Children differ by seed and share the prompt's blocks through
+                # the prefix cache.
+                seed = None if p.seed is None else (p.seed + j) % 2**32
+                child = dataclasses.replace(p, n=1, seed=seed)
+            child_id = rid if p.n == 1 else f"{rid}_{j}"
+            try:
+                self.engine.add_request(child_id, ids, child)
+            except ValueError as e:
+                for cid in children:
+                    self.engine.abort_request(cid)
+                raise ValueError(f"prompts[{i}]: {e}") from e
+            children.append(child_id)
+        return rid, text, ids, children
+
+    def _error_output(self, i: int, prompt: Any, error: str) -> RequestOutput:
+        now = time.time()
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+        return RequestOutput(
+            request_id=str(next(self._ids)),
+            prompt=text,
+            prompt_token_ids=[],
+            outputs=[],
+            metrics=RequestMetrics(now, None, now, 0, 0, 0),
+            error=error,
+        )
 
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, EngineOutput]:
         finished: dict[str, EngineOutput] = {}
@@ -191,6 +361,9 @@ class LLM:
                     bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=False)
                     bar.update(1)
         if bar is not None:
+            # The last rate shown is the run's own total, as a summary would compute it.
+            rate = num_out / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=True)
             bar.close()
         return finished
 
@@ -201,10 +374,11 @@ class LLM:
         ids: list[int],
         children: list[str],
         finished: dict[str, EngineOutput],
+        params: SamplingParams,
     ) -> RequestOutput:
         outs = [finished.pop(cid) for cid in children]
         firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
-        completions = [self._completion(j, o) for j, o in enumerate(outs)]
+        completions = [self._completion(j, o, params) for j, o in enumerate(outs)]
         return RequestOutput(
             request_id=rid,
             prompt=text,
@@ -220,14 +394,23 @@ class LLM:
             ),
         )
 
-    def _completion(self, index: int, out: EngineOutput) -> CompletionOutput:
-        text = self.decode(out.token_ids)
+    def _completion(
+        self, index: int, out: EngineOutput, params: SamplingParams
+    ) -> CompletionOutput:
+        """vLLM's text rules: a stop string is cut off, and so is the text of the stop
+        token or EOS that ended the output; include_stop_str_in_output keeps both."""
+        ids = list(out.token_ids)
+        keep_stop = params.include_stop_str_in_output
+        by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+        text_ids = ids[:-1] if by_token and ids and not keep_stop else ids
+        text = self.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
         if isinstance(out.stop_reason, str) and out.stop_reason in text:
-            text = text[: text.find(out.stop_reason)]
+            end = text.find(out.stop_reason)
+            text = text[: end + len(out.stop_reason)] if keep_stop else text[:end]
         return CompletionOutput(
             index=index,
             text=text,
-            token_ids=list(out.token_ids),
+            token_ids=ids,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
             logprobs=out.logprobs,
@@ -237,7 +420,7 @@ class LLM:
     # ------------------------------------------------------------------ inputs
     @staticmethod
     def _as_prompt_list(prompts) -> list[str | list[int]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, str | Mapping):
             return [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError(f"prompts={prompts!r} must be a non-empty string or list of prompts")
@@ -245,7 +428,7 @@ class LLM:
             return [list(prompts)]
         out = []
         for i, p in enumerate(prompts):
-            if isinstance(p, str):
+            if isinstance(p, str | Mapping):
                 out.append(p)
             elif isinstance(p, Sequence):
                 out.append(list(p))

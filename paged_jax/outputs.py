@@ -48,7 +48,11 @@ class RequestMetrics:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """Everything LLM.generate returns for one prompt, in input order."""
+    """Everything LLM.generate returns for one prompt, in input order.
+
+    `error` is set (and `outputs` empty) when LLM.generate_iter could not serve the
+    prompt; LLM.generate raises instead.
+    """
 
     request_id: str
     prompt: str | None
@@ -56,3 +60,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     metrics: RequestMetrics
     finished: bool = True
+    error: str | None = None

@@ -25,11 +25,24 @@ class SamplingParams:
             is in the batch. None draws one from the engine's seed.
         max_tokens: most tokens to generate.
         min_tokens: stop tokens and EOS are masked until this many were generated.
-        stop: strings that end the output (the stop string is not included).
-        stop_token_ids: token ids that end the output (in addition to EOS).
+        stop: strings that end the output (the stop string is not in the text
+            unless include_stop_str_in_output).
+        stop_token_ids: token ids that end the output (in addition to EOS). Like
+            EOS, the stop token stays in token_ids but its text is left out of text
+            unless include_stop_str_in_output.
         ignore_eos: keep generating past EOS.
         logprobs: return this many top logprobs per generated token (plus the
             sampled token's own); None returns none.
+        presence_penalty: subtracted once from the logit of every token already in
+            the output (vLLM/OpenAI semantics); in [-2, 2], 0 disables it.
+        frequency_penalty: subtracted from a token's logit once per occurrence in
+            the output; in [-2, 2], 0 disables it.
+        repetition_penalty: tokens in the prompt or the output get their logit
+            divided by it when positive, multiplied when negative (Hugging Face's
+            RepetitionPenaltyLogitsProcessor, as vLLM); > 0, 1 disables it.
+        include_stop_str_in_output: keep the matched stop string (or the stop
+            token's text) at the end of the output text.
+        skip_special_tokens: leave special tokens out of the decoded text.
     """
 
     n: int = 1
@@ -44,6 +57,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -95,6 +113,27 @@ class SamplingParams:
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                fail(name, "a number in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                fail(name, "in [-2, 2]")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, int | float) or not 0.0 < rp < 1e6:
+            fail("repetition_penalty", "a number > 0 (1 disables it)")
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of presence, frequency or repetition penalty is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

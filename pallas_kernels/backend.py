@@ -49,6 +49,30 @@ def _reference_ops() -> AttentionOps:
     )
 
 
+def valid_backends(platform: str | None = None) -> tuple[str, ...]:
+    """Backend names that run on `platform` (default: jax's default backend).
+
+    "pallas" compiles the kernels with Triton, so it needs a GPU; elsewhere the
+    kernels only run in the Pallas interpreter ("pallas_interpret").
+    """
+    platform = platform or jax.default_backend()
+    if platform == "gpu":
+        return BACKEND_NAMES
+    return tuple(name for name in BACKEND_NAMES if name != "pallas")
+
+
+def check_backend(name: str, platform: str | None = None) -> None:
+    """Raises a ValueError with the valid names when `name` cannot run on `platform`."""
+    platform = platform or jax.default_backend()
+    valid = valid_backends(platform)
+    if name not in valid:
+        why = " (Pallas/Triton kernels need an NVIDIA GPU)" if name == "pallas" else ""
+        raise ValueError(
+            f"attention_backend={name!r} cannot run on this {platform} platform{why}; "
+            f"valid here: {', '.join(map(repr, valid))}"
+        )
+
+
 def get_attention_ops(name: str = "auto") -> AttentionOps:
     """Returns the paged ops of one backend.
 

@@ -59,6 +59,12 @@ class StepInput:
     num_seqs: int  # real (unpadded) sequences
     extra_slot_mappings: tuple[np.ndarray, ...] = ()  # G - 1 x i32[T]: groups 1..G-1
     extra_block_tables: tuple[np.ndarray, ...] = ()  # G - 1 x i32[S, W]: groups 1..G-1
+    # Penalties: None when no scheduled request uses one (the runner then feeds a
+    # resident all-zero history of the same shape, so nothing is copied per step).
+    presence_penalty: np.ndarray | None = None  # f32[S]; 0 = off
+    frequency_penalty: np.ndarray | None = None  # f32[S]; 0 = off
+    repetition_penalty: np.ndarray | None = None  # f32[S]; 1 = off
+    history_token_ids: np.ndarray | None = None  # i32[S, max_model_len]; prompt + output
 
     @property
     def bucket(self) -> tuple[int, int]:
@@ -95,6 +101,10 @@ class InputBatch:
         self.seeds = np.zeros(n, np.uint32)
         self.min_tokens = np.zeros(n, np.int32)
         self.stop_ids = np.full((n, stop_ids_width), -1, np.int32)
+        self.presence_penalty = np.zeros(n, np.float32)
+        self.frequency_penalty = np.zeros(n, np.float32)
+        self.repetition_penalty = np.ones(n, np.float32)
+        self.has_penalty = np.zeros(n, bool)
         self.row_of: dict[str, int] = {}
         self.req_of_row: list[str | None] = [None] * n
 
@@ -125,6 +135,10 @@ class InputBatch:
         self.min_p[row] = params.min_p
         self.seeds[row] = seed
         self.min_tokens[row] = params.min_tokens
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.has_penalty[row] = params.has_penalties
         self.stop_ids[row] = -1
         if params.min_tokens > 0:
             ids = list(dict.fromkeys(min_tokens_stop_ids))
@@ -239,6 +253,14 @@ class InputBatch:
         counters[:num_seqs] = num_out
         sample_rows = np.full(s_pad, len(self.req_of_row), np.int32)
         sample_rows[:num_seqs] = rows
+        penalties = {}
+        if self.has_penalty[rows].any():
+            penalties = dict(
+                presence_penalty=padded(self.presence_penalty, 0.0),
+                frequency_penalty=padded(self.frequency_penalty, 0.0),
+                repetition_penalty=padded(self.repetition_penalty, 1.0),
+                history_token_ids=padded(self.token_ids, 0),
+            )
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -260,6 +282,7 @@ class InputBatch:
             num_seqs=num_seqs,
             extra_slot_mappings=tuple(slot_mappings[1:]),
             extra_block_tables=tuple(block_tables[1:]),
+            **penalties,
         )
 
     def dummy_step_input(self, num_tokens: int, num_seqs: int) -> StepInput:

@@ -174,6 +174,7 @@ class Runner:
         self._gather = jax.jit(gather_blocks)
         self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
+        self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
 
     # ------------------------------------------------------------------ step
     def execute(self, step: StepInput) -> StepResult:
@@ -204,6 +205,7 @@ class Runner:
             seeds=step.seeds,
             counters=step.counters,
             masked_token_ids=step.masked_token_ids,
+            **self._penalty_fields(step),
         )
         feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
         out, self.kv_caches, self.row_tokens = self._step(
@@ -218,9 +220,37 @@ class Runner:
         )
         return PendingStep(out, step.num_seqs)
 
-    def warmup(self, steps: list[StepInput]) -> None:
-        """Compiles the step for every bucket (all-padding inputs change no KV) and the swaps."""
-        for step in steps:
+    def _penalty_fields(self, step: StepInput) -> dict[str, Any]:
+        """The sampler's penalty inputs; without penalties, neutral values and a resident
+        zero history of the same shape (no per-step copy, no second compile)."""
+        s = step.seq_lens.shape[0]
+        if step.history_token_ids is not None:
+            history = step.history_token_ids
+            presence, frequency = step.presence_penalty, step.frequency_penalty
+            repetition = step.repetition_penalty
+        else:
+            if s not in self._zero_history:
+                width = self.config.max_model_len
+                self._zero_history[s] = jax.device_put(np.zeros((s, width), np.int32))
+            history = self._zero_history[s]
+            presence = frequency = np.zeros(s, np.float32)
+            repetition = np.ones(s, np.float32)
+        return dict(
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            history_token_ids=history,
+            history_lens=step.seq_lens,
+        )
+
+    def warmup(self, steps: list[StepInput], on_step: Any = None) -> None:
+        """Compiles the step for every bucket (all-padding inputs change no KV) and the swaps.
+
+        on_step: optional callable(i, num_steps, (num_tokens, num_seqs)) called before each.
+        """
+        for i, step in enumerate(steps):
+            if on_step is not None:
+                on_step(i, len(steps), step.bucket)
             result = self.execute(step)
             assert result.token_ids.shape == (0,), "a padding-only step produced samples"
         if self.config.preemption_mode == "swap":

@@ -1,4 +1,4 @@
-"""Device sampling: greedy, temperature, top-k, top-p, min-p with per-request seeds.
+"""Device sampling: penalties, greedy, temperature, top-k, top-p, min-p with per-request seeds.
 
 Every row draws from its own PRNG key, fold_in(PRNGKey(seed), num_generated), so a
 request's samples depend only on its seed, its logits and how many tokens it has
@@ -25,6 +25,13 @@ class SamplingMetadata(NamedTuple):
     seeds: jax.Array  # u32[S]
     counters: jax.Array  # i32[S]; tokens generated so far (the key's fold-in)
     masked_token_ids: jax.Array  # i32[S, K]; tokens banned this step (-1 = unused); min_tokens
+    # Penalties (None = all off). A row's history is its prompt then its output tokens:
+    # positions [0, history_lens) are valid, the last `counters` of them are output.
+    presence_penalty: jax.Array | None = None  # f32[S]; 0 = off
+    frequency_penalty: jax.Array | None = None  # f32[S]; 0 = off
+    repetition_penalty: jax.Array | None = None  # f32[S]; 1 = off
+    history_token_ids: jax.Array | None = None  # i32[S, L]; L = max_model_len
+    history_lens: jax.Array | None = None  # i32[S]; tokens in the history (prompt + output)
 
 
 class SamplerOutput(NamedTuple):
@@ -41,6 +48,77 @@ def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
     # Unused entries point past the vocabulary and are dropped by the scatter.
     cols = jnp.where(banned >= 0, banned, vocab)
     return logits.at[rows, cols].set(-jnp.inf, mode="drop")
+
+
+def apply_penalties(
+    logits: jax.Array,
+    history: jax.Array,
+    history_lens: jax.Array,
+    num_output: jax.Array,
+    presence: jax.Array,
+    frequency: jax.Array,
+    repetition: jax.Array,
+) -> jax.Array:
+    """Repetition, frequency and presence penalties, in that order (vLLM's order).
+
+    Args:
+        logits: f32[S, V].
+        history: i32[S, L] token ids; only the first history_lens[s] of a row count.
+        history_lens: i32[S]; prompt + output tokens of each row.
+        num_output: i32[S]; the last num_output[s] history tokens are the output.
+        presence, frequency: f32[S]; subtracted once per distinct output token /
+            once per output occurrence.
+        repetition: f32[S]; every token seen in the prompt or output has its logit
+            divided by it if positive, multiplied if not (Hugging Face's rule).
+
+    Returns:
+        f32[S, V] penalised logits. The per-row token counts are built on device
+        from the history by scatter-add (fixed shapes, no host-side vocab arrays).
+    """
+    num_rows, vocab = logits.shape
+    pos = jnp.arange(history.shape[1])[None, :]
+    valid = pos < history_lens[:, None]
+    is_output = valid & (pos >= (history_lens - num_output)[:, None])
+    rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], history.shape)
+    # Invalid positions scatter past the vocabulary and are dropped.
+    seen = (
+        jnp.zeros((num_rows, vocab), bool)
+        .at[rows, jnp.where(valid, history, vocab)]
+        .set(True, mode="drop")
+    )
+    counts = (
+        jnp.zeros((num_rows, vocab), jnp.float32)
+        .at[rows, jnp.where(is_output, history, vocab)]
+        .add(1.0, mode="drop")
+    )
+    rep = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * (counts > 0)
+
+
+def _maybe_penalize(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """apply_penalties when the metadata carries them and some row uses one (run-time cond)."""
+    if meta.history_token_ids is None:
+        return logits
+    active = jnp.any(
+        (meta.presence_penalty != 0)
+        | (meta.frequency_penalty != 0)
+        | (meta.repetition_penalty != 1)
+    )
+    return jax.lax.cond(
+        active,
+        lambda: apply_penalties(
+            logits,
+            meta.history_token_ids,
+            meta.history_lens,
+            meta.counters,
+            meta.presence_penalty,
+            meta.frequency_penalty,
+            meta.repetition_penalty,
+        ),
+        lambda: logits,
+    )
 
 
 def _sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
@@ -76,6 +154,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = _ban_tokens(logits, meta.masked_token_ids)
+    logits = _maybe_penalize(logits, meta)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
         meta.seeds, meta.counters
     )

@@ -1,0 +1,66 @@
+"""JAX's persistent compilation cache: where it lives and how to turn it on or off.
+
+A second run of the same model and engine settings then loads every step bucket's
+executable from disk instead of compiling it (see README: cold vs warm start).
+PAGED_JAX_COMPILE_CACHE=0 (or off/false/no) disables it; any other value but 1/on
+is taken as the directory. Default: <user cache dir>/jax_compile_cache, where the
+user cache dir is $PAGED_JAX_CACHE or ~/.cache/paged_jax.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+ENV_VAR = "PAGED_JAX_COMPILE_CACHE"
+_OFF = ("0", "off", "false", "no")
+_ON = ("1", "on", "true", "yes")
+
+
+def default_cache_root() -> pathlib.Path:
+    """$PAGED_JAX_CACHE, else ~/.cache/paged_jax (shared with the demo model)."""
+    root = os.environ.get("PAGED_JAX_CACHE") or pathlib.Path.home() / ".cache" / "paged_jax"
+    return pathlib.Path(root)
+
+
+def resolve_compile_cache_dir(
+    setting: bool | str | os.PathLike | None = True,
+) -> pathlib.Path | None:
+    """The cache directory to use, or None when the cache is off.
+
+    Args:
+        setting: False turns it off, True/None uses the environment or the default,
+            a path chooses the directory. PAGED_JAX_COMPILE_CACHE=0 wins over all.
+    """
+    env = os.environ.get(ENV_VAR)
+    if env is not None and env.strip().lower() in _OFF:
+        return None
+    if setting is False:
+        return None
+    if setting is not None and setting is not True:
+        return pathlib.Path(setting)
+    if env and env.strip().lower() not in _ON:
+        return pathlib.Path(env)
+    return default_cache_root() / "jax_compile_cache"
+
+
+def enable_compile_cache(path: str | os.PathLike) -> pathlib.Path:
+    """Points JAX's persistent compilation cache at `path` and caches every executable.
+
+    JAX skips entries that compiled in under a second by default; the engine's step
+    buckets compile in well under that on CPU, so both thresholds are set to zero.
+
+    Raises:
+        ValueError: the directory cannot be created (naming it).
+    """
+    import jax
+
+    path = pathlib.Path(path).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"compile cache directory {str(path)!r} cannot be created: {err}") from err
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
