@@ -37,8 +37,18 @@ def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, 
             f"no config.json in {path} (expected a Hugging Face model directory)"
         )
     generation_file = path / "generation_config.json"
-    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
-    return json.loads(config_file.read_text()), generation
+    generation = _read_json(generation_file) if generation_file.is_file() else {}
+    return _read_json(config_file), generation
+
+
+def _read_json(file: pathlib.Path) -> dict[str, Any]:
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object, not {type(value).__name__}")
+    return value
 
 
 def load_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
@@ -130,14 +140,44 @@ def fill_params(
     for name, name_rules in by_name.items():
         array = read(name)
         for rule in name_rules:
-            value = np.asarray(rule.transform(array))
+            try:
+                value = np.asarray(rule.transform(array))
+                converted = jnp.asarray(value, dtype=dtype)
+            except (ValueError, TypeError) as err:
+                raise ValueError(
+                    f"tensor {name!r} ({array.dtype}{list(array.shape)}) cannot be converted "
+                    f"to {dtype} for {'.'.join(map(str, rule.param_path))}: {err}"
+                ) from err
             assert value.shape == shapes[rule.param_path], f"bad transform for {name}"
             node = pure
             for part in rule.param_path[:-1]:
                 node = node.setdefault(part, {})
-            node[rule.param_path[-1]] = jnp.asarray(value, dtype=dtype)
+            node[rule.param_path[-1]] = converted
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+    """Everything load_model checks, without reading a tensor or building the model.
+
+    Reads config.json, picks the architecture, opens every safetensors header (a
+    truncated or corrupted file fails here, named) and checks the key set and shapes.
+
+    Raises:
+        FileNotFoundError / ValueError: as load_model, naming the file or tensor.
+    """
+    path = pathlib.Path(path)
+    hf, generation = read_hf_config(path)
+    cls = model_class_for(hf)
+    config = cls.config_from_hf(hf, generation, canonical_dtype(dtype))
+    checkpoint = SafetensorsCheckpoint(path)
+    names, _ = _canonical_names(list(checkpoint.shapes), cls, config)
+    check_checkpoint(
+        cls.weight_rules(config),
+        {name: checkpoint.shapes[key] for name, key in names.items()},
+        str(path),
+    )
+    return config
 
 
 def load_model(
@@ -171,4 +211,15 @@ def load_model(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
     graphdef, state = abstract_model(cls, config, attention_backend)
-    return fill_params(graphdef, state, rules, lambda name: checkpoint.read(names[name]), dtype)
+
+    def read(name: str) -> np.ndarray:
+        return checkpoint.read(names[name])
+
+    try:
+        return fill_params(graphdef, state, rules, read, dtype)
+    except ValueError as err:
+        if "weights file" in str(err):
+            raise
+        key = re.search(r"tensor '([^']+)'", str(err))
+        file = checkpoint.file_of(names[key.group(1)]) if key and key.group(1) in names else path
+        raise ValueError(f"{err} (weights file {file})") from err

@@ -30,8 +30,17 @@ def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
     """
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / name for name in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"shard index {index} is not a valid model.safetensors.index.json: {err!r}"
+            ) from err
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"shard index {index} names missing weights files: {missing}")
+        return files
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
@@ -53,20 +62,40 @@ class SafetensorsCheckpoint:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._dtypes: dict[str, str] = {}
         for file in checkpoint_files(path):
-            with safe_open(str(file), framework="np") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                    tensor = f.get_slice(key)
-                    self._location[key] = file
-                    self.shapes[key] = tuple(tensor.get_shape())
-                    self._dtypes[key] = tensor.get_dtype()
+            try:
+                with safe_open(str(file), framework="np") as f:
+                    for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                        tensor = f.get_slice(key)
+                        self._location[key] = file
+                        self.shapes[key] = tuple(tensor.get_shape())
+                        self._dtypes[key] = tensor.get_dtype()
+            except Exception as err:  # safetensors raises its own error types
+                raise ValueError(
+                    f"weights file {file} is corrupted or not a safetensors file "
+                    f"({type(err).__name__}: {err}); re-download or re-save it"
+                ) from err
 
     def read(self, key: str) -> np.ndarray:
-        """The tensor `key` as a numpy array in its stored dtype."""
+        """The tensor `key` as a numpy array in its stored dtype.
+
+        Raises:
+            ValueError: naming the tensor and its file when it cannot be read.
+        """
         file = self._location[key]
-        if self._dtypes[key] in _EXTENDED_DTYPES:
-            return _read_raw(file, key, _EXTENDED_DTYPES[self._dtypes[key]])
-        with safe_open(str(file), framework="np") as f:
-            return f.get_tensor(key)
+        try:
+            if self._dtypes[key] in _EXTENDED_DTYPES:
+                return _read_raw(file, key, _EXTENDED_DTYPES[self._dtypes[key]])
+            with safe_open(str(file), framework="np") as f:
+                return f.get_tensor(key)
+        except Exception as err:
+            raise ValueError(
+                f"tensor {key!r} in weights file {file} cannot be read "
+                f"({type(err).__name__}: {err})"
+            ) from err
+
+    def file_of(self, key: str) -> pathlib.Path:
+        """The file that holds tensor `key`."""
+        return self._location[key]
 
 
 def _read_raw(file: pathlib.Path, key: str, dtype: type) -> np.ndarray:

@@ -1,93 +1,156 @@
 """The main job: offline batched generation from the command line (`paged-jax-generate`).
 
 paged-jax-generate                          # built-in demo model and prompts
-paged-jax-generate --model DIR --prompts prompts.jsonl --output out.jsonl
+paged-jax-generate --model DIR --prompts prompts.jsonl --output out.jsonl --summary-json s.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import pathlib
 import sys
 import time
+from typing import Any
 
 from paged_jax.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, EngineConfig
-from paged_jax.sampling_params import SamplingParams
+from paged_jax.entrypoints.output_file import JsonlStream, check_writable, write_json_atomic
+from paged_jax.entrypoints.prompts_file import PromptLine, params_for, read_prompt_lines
+from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+
+PROG = "paged-jax-generate"
+EPILOG = f"""\
+prompts file: JSONL when its first non-blank line is a JSON object, else one prompt per
+line. A JSONL line holds exactly one of "prompt" (text), "prompt_token_ids" (list of
+ints) or "messages" (a chat, rendered with the checkpoint's chat template), an optional
+"id" echoed in the output, and optional SamplingParams overrides such as "max_tokens",
+"temperature", "top_p", "top_k", "seed", "stop", "n". "-" reads standard input.
+
+output: one JSON line per request, written as each request finishes (so in finish
+order; "index" is the position in the prompts file). A request that cannot be served
+(bad line, empty or too long prompt, bad token id, no tokenizer) gets a record with
+"error" and the others complete. The file is written as OUTPUT.partial and renamed
+when the run completes.
+
+defaults: the CLI samples greedily (--temperature 0) and generates up to 32 tokens;
+the Python API's SamplingParams() defaults to temperature 1.0 and max_tokens 16, as
+vLLM's does.
+
+compile cache: JAX's persistent compilation cache is on, under
+$PAGED_JAX_CACHE/jax_compile_cache (default ~/.cache/paged_jax/jax_compile_cache);
+--no-compile-cache or PAGED_JAX_COMPILE_CACHE=0 turns it off.
+
+exit status: 0 all requests succeeded, 1 some requests failed (see their records),
+2 nothing was run (bad flag, unreadable prompts, unwritable output, unusable model).
+{PROG} never prints a traceback for these.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="paged-jax-generate",
+        prog=PROG,
         description="Offline batched generation with paged-jax.",
+        epilog=EPILOG,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", help="Hugging Face model directory (default: the demo model)")
     p.add_argument(
-        "--cache-dir", help="where the demo model is written (default ~/.cache/paged_jax)"
+        "--cache-dir", help="where the demo model is written (None = ~/.cache/paged_jax)"
     )
-    p.add_argument("--prompts", help=".jsonl with a 'prompt' field, or .txt with one per line")
+    p.add_argument(
+        "--prompts", help="JSONL or text prompts file, '-' for stdin (None = built-in set)"
+    )
     p.add_argument("--num-prompts", type=int, default=200, help="size of the built-in set")
-    p.add_argument("--output", help="write one JSON line per prompt here")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--min-tokens", type=int, default=0)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--n", type=int, default=1, help="completions per prompt")
-    s.add_argument("--ignore-eos", action="store_true")
-    e = p.add_argument_group("engine")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--output", help="write one JSON line per request here")
+    p.add_argument("--summary-json", help="write the run's summary as JSON here")
+    s = p.add_argument_group("sampling (SamplingParams fields; JSONL lines may override)")
+    d = SamplingParams()
+    s.add_argument("--n", type=int, default=d.n, help="completions per prompt")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (API: 1.0)")
+    s.add_argument("--top-p", type=float, default=d.top_p, help="nucleus mass; 1 = off")
+    s.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1 = off")
+    s.add_argument("--min-p", type=float, default=d.min_p, help="0 = off")
+    s.add_argument("--seed", type=int, default=d.seed, help="per-request seed")
+    s.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion")
+    s.add_argument("--min-tokens", type=int, default=d.min_tokens, help="EOS/stop masked before")
+    s.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeat the flag for more)"
+    )
+    s.add_argument(
+        "--stop-token-ids", type=int, nargs="+", default=None, metavar="ID", help="besides EOS"
+    )
+    s.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
+    s.add_argument(
+        "--logprobs",
+        type=int,
+        default=d.logprobs,
+        help=f"top logprobs per token (0-{MAX_LOGPROBS})",
+    )
+    s.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="[-2, 2]")
+    s.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="[-2, 2]")
+    s.add_argument(
+        "--repetition-penalty", type=float, default=d.repetition_penalty, help="> 0; 1 = off"
+    )
+    s.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the stop string / stop token text in the output text",
+    )
+    s.add_argument(
+        "--no-skip-special-tokens",
+        dest="skip_special_tokens",
+        action="store_false",
+        help="keep special tokens in the output text",
+    )
+    e = p.add_argument_group("engine (EngineConfig fields)")
+    c = EngineConfig()
+    e.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    e.add_argument(
+        "--num-kv-blocks", type=int, default=c.num_kv_blocks, help="None = sized from memory"
+    )
     e.add_argument(
         "--kv-cache-memory",
         type=float,
-        default=None,
+        default=c.kv_cache_memory,
         help="KV budget: bytes (> 1) or a fraction of free device memory (<= 1)",
     )
-    e.add_argument("--max-num-seqs", type=int, default=64)
-    e.add_argument("--max-num-batched-tokens", type=int, default=512)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs, help="per step")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=c.max_num_batched_tokens,
+        help="token budget per step",
+    )
+    e.add_argument("--max-model-len", type=int, default=c.max_model_len, help="None = model's")
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     e.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="read each step's tokens before scheduling the next (for debugging)",
     )
-    e.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
-    e.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
-    e.add_argument("--dtype", choices=DTYPES, default="auto")
-    e.add_argument("--engine-seed", type=int, default=0)
-    p.add_argument("--no-tqdm", action="store_true", help="no progress bar")
+    e.add_argument(
+        "--preemption-mode", choices=PREEMPTION_MODES, default=c.preemption_mode, help=" "
+    )
+    e.add_argument(
+        "--attention-backend",
+        choices=ATTENTION_BACKENDS,
+        default=c.attention_backend,
+        help="auto = Pallas on GPU, reference elsewhere; pallas needs a GPU",
+    )
+    e.add_argument("--dtype", choices=DTYPES, default=c.dtype, help="auto = bf16 on GPU, else f32")
+    e.add_argument("--engine-seed", type=int, default=c.seed, help="seed for unseeded requests")
+    e.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="JAX compilation cache directory (None = ~/.cache/paged_jax/jax_compile_cache)",
+    )
+    e.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
+    p.add_argument("--no-tqdm", action="store_true", help="no progress bar or load progress")
     return p
 
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts from a .jsonl ('prompt' field) or .txt (one per line) file."""
-    file = pathlib.Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--prompts={path!r} cannot be read: {err}") from err
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if file.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"--prompts={path!r} line {n} is not JSON: {err}") from err
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"--prompts={path!r} line {n} must have a string 'prompt' field")
-            prompts.append(record["prompt"])
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise ValueError(f"--prompts={path!r} holds no prompts")
-    return prompts
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows every default and keeps the epilog's line breaks."""
 
 
 def _engine_args(args: argparse.Namespace) -> dict:
@@ -110,90 +173,286 @@ def _engine_args(args: argparse.Namespace) -> dict:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """The run-wide SamplingParams: one flag per field (ValueError names the field)."""
+    return SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        stop=tuple(args.stop or ()),
+        stop_token_ids=tuple(args.stop_token_ids or ()),
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        include_stop_str_in_output=args.include_stop_str_in_output,
+        skip_special_tokens=args.skip_special_tokens,
+    )
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Everything checked before the model is loaded."""
+
+    engine_args: dict
+    params: SamplingParams
+    lines: list[PromptLine]
+    model_dir: pathlib.Path
+    output: JsonlStream | None
+    summary_path: pathlib.Path | None
+    compile_cache: bool | str
+
+
+def _prepare(args: argparse.Namespace) -> _Plan:
+    """Fatal checks, cheapest first, so a doomed run fails in seconds without loading.
+
+    Raises:
+        ValueError / FileNotFoundError: one line each, naming the flag or file.
+    """
+    output = None
     try:
-        engine_args = _engine_args(args)
-        EngineConfig(**engine_args)  # validate flags before loading anything
-        params = SamplingParams(
-            n=args.n,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            seed=args.seed,
-            max_tokens=args.max_tokens,
-            min_tokens=args.min_tokens,
-            ignore_eos=args.ignore_eos,
+        summary_path = (
+            check_writable(args.summary_json, "--summary-json") if args.summary_json else None
         )
+        output = JsonlStream(args.output) if args.output else None
+        engine_args = _engine_args(args)
+        EngineConfig(**engine_args)
+        params = sampling_params_from_args(args)
         if args.prompts:
-            prompts = read_prompts(args.prompts)
+            _, lines = read_prompt_lines(args.prompts)
+            if all(line.error for line in lines):
+                raise ValueError(
+                    f"--prompts={args.prompts!r} holds no valid line: {lines[0].error}"
+                )
         else:
             from paged_jax.entrypoints.demo_prompts import builtin_prompts
 
             if args.num_prompts < 1:
                 raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
-            prompts = builtin_prompts(args.num_prompts)
+            texts = builtin_prompts(args.num_prompts)
+            lines = [PromptLine(i, i + 1, kind="prompt", value=t) for i, t in enumerate(texts)]
         if args.model is None:
             from paged_jax.entrypoints.demo import ensure_demo_model
 
             model_dir = ensure_demo_model(args.cache_dir)
-            print(f"using the built-in demo model (random weights) at {model_dir}", file=sys.stderr)
+            _say(args, f"using the built-in demo model (random weights) at {model_dir}")
         else:
             model_dir = pathlib.Path(args.model)
             if not (model_dir / "config.json").is_file():
                 raise ValueError(
                     f"--model={args.model!r} must be a Hugging Face model directory with config.json"
                 )
-    except ValueError as err:
-        parser.error(str(err))
+        from paged_jax.models.loader import check_model_dir
+        from pallas_kernels.backend import check_backend
 
+        check_model_dir(model_dir)
+        check_backend(args.attention_backend)
+    except BaseException:
+        if output is not None:
+            output.close_partial().unlink(missing_ok=True)
+        raise
+    compile_cache: bool | str = True
+    if args.no_compile_cache:
+        compile_cache = False
+    elif args.compile_cache_dir:
+        compile_cache = args.compile_cache_dir
+    return _Plan(engine_args, params, lines, model_dir, output, summary_path, compile_cache)
+
+
+def _say(args: argparse.Namespace, message: str, end: str = "\n") -> None:
+    if not args.no_tqdm or end == "\n":
+        print(message, file=sys.stderr, end=end, flush=True)
+
+
+def _load(args: argparse.Namespace, plan: _Plan):
+    """Builds the LLM with a progress line for loading and for each warm-up bucket."""
     from paged_jax.llm import LLM
 
-    try:
-        t0 = time.perf_counter()
-        llm = LLM(str(model_dir), **engine_args)
-        load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=not args.no_tqdm)
-        wall = time.perf_counter() - t0
-    except (ValueError, FileNotFoundError) as err:
-        print(f"paged-jax-generate: error: {err}", file=sys.stderr)
-        return 2
+    t0 = time.perf_counter()
+    _say(args, f"loading {plan.model_dir} ...")
+    llm = LLM(
+        str(plan.model_dir), warmup=False, compile_cache=plan.compile_cache, **plan.engine_args
+    )
+    load_s = time.perf_counter() - t0
+    cache = llm.compile_cache_dir or "off"
+    num = len(llm.config.step_shapes())
+    _say(args, f"loaded in {load_s:.1f} s; compiling {num} step buckets (compile cache: {cache})")
 
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            for out in outputs:
-                record = {
-                    "request_id": out.request_id,
-                    "prompt": out.prompt,
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "outputs": [
-                        {
-                            "index": c.index,
-                            "text": c.text,
-                            "token_ids": c.token_ids,
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                        for c in out.outputs
-                    ],
-                    "time_to_first_token": out.metrics.time_to_first_token,
-                }
-                f.write(json.dumps(record) + "\n")
+    def progress(i: int, total: int, bucket: tuple[int, int]) -> None:
+        if not args.no_tqdm:
+            print(
+                f"\r  warm-up {i + 1}/{total}: tokens={bucket[0]} seqs={bucket[1]}   ",
+                file=sys.stderr,
+                end="",
+                flush=True,
+            )
+
+    t0 = time.perf_counter()
+    llm.engine.warmup(progress)
+    warmup_s = time.perf_counter() - t0
+    if not args.no_tqdm:
+        print(file=sys.stderr)
+    _say(args, f"warm-up done in {warmup_s:.1f} s")
+    return llm, load_s, warmup_s
+
+
+def _build_requests(llm, plan: _Plan) -> tuple[list[Any], list[SamplingParams], list[PromptLine]]:
+    """Prompts and params of the servable lines; bad lines get their .error set."""
+    prompts, params, lines = [], [], []
+    for line in plan.lines:
+        if line.error:
+            continue
+        try:
+            p = params_for(plan.params, line)
+            if line.kind == "messages":
+                prompt: Any = llm.render_chat(line.value)[0]
+            elif line.kind == "prompt_token_ids":
+                prompt = {"prompt_token_ids": line.value}
+            else:
+                prompt = line.value
+        except ValueError as err:
+            msg = str(err)
+            line.error = msg if msg.startswith("line ") else f"line {line.line}: {msg}"
+            continue
+        prompts.append(prompt)
+        params.append(p)
+        lines.append(line)
+    return prompts, params, lines
+
+
+def _record(line: PromptLine, out=None, error: str | None = None) -> dict[str, Any]:
+    record: dict[str, Any] = {"index": line.index, "id": line.id, "line": line.line}
+    if error is not None:
+        record["error"] = error
+        return record
+    record.update(
+        request_id=out.request_id,
+        prompt=out.prompt,
+        prompt_token_ids=out.prompt_token_ids,
+        outputs=[
+            {
+                "index": c.index,
+                "text": c.text,
+                "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                **({"logprobs": c.logprobs} if c.logprobs is not None else {}),
+            }
+            for c in out.outputs
+        ],
+        time_to_first_token=out.metrics.time_to_first_token,
+        num_cached_tokens=out.metrics.num_cached_tokens,
+        error=None,
+    )
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        plan = _prepare(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, plan)
+    except BaseException as err:
+        if plan.output is not None:
+            kept = plan.output.close_partial()
+            print(
+                f"{PROG}: error: the run stopped ({type(err).__name__}); {plan.output.num_records} "
+                f"records are in {kept}; {plan.output.target} was not replaced",
+                file=sys.stderr,
+            )
+        if isinstance(err, KeyboardInterrupt):
+            return 130
+        if isinstance(err, ValueError | FileNotFoundError):
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _run(args: argparse.Namespace, plan: _Plan) -> int:
+    llm, load_s, warmup_s = _load(args, plan)
+    prompts, params, lines = _build_requests(llm, plan)
+    bar = None
+    if not args.no_tqdm:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(plan.lines), desc="requests", unit="req", dynamic_ncols=True)
+    failed: list[dict[str, Any]] = []
+    results = []
+
+    def emit(record: dict[str, Any]) -> None:
+        if record.get("error") is not None:
+            failed.append({k: record[k] for k in ("index", "id", "line", "error")})
+        if plan.output is not None:
+            plan.output.write(record)
+        if bar is not None:
+            bar.update(1)
+
+    start = time.perf_counter()
+    num_generated = 0
+    for line in plan.lines:
+        if line.error:
+            emit(_record(line, error=line.error))
+    for i, out in llm.generate_iter(prompts, params):
+        line = lines[i]
+        if out.error is not None:
+            error = out.error
+            if error.startswith(f"prompts[{i}]: "):
+                error = error[len(f"prompts[{i}]: ") :]
+            emit(_record(line, error=f"line {line.line}: {error}"))
+            continue
+        results.append(out)
+        num_generated += out.metrics.num_generated_tokens
+        if bar is not None:
+            rate = num_generated / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
+        emit(_record(line, out))
+    wall = time.perf_counter() - start
+    summary = _summary(llm, plan, results, failed, load_s, warmup_s, wall)
+    if bar is not None:
+        # The bar's last rate is the summary's figure, from the same counter and clock.
+        bar.set_postfix_str(f"out {summary['generated_tokens_per_s']} tok/s", refresh=True)
+        bar.close()
+    if plan.output is not None:
+        plan.output.commit()
+    if plan.summary_path is not None:
+        write_json_atomic(plan.summary_path, {**summary, "errors": failed})
+    print("\n== paged-jax generate summary ==")
+    for key, value in summary.items():
+        print(f"{key:>24}: {value}")
+    for f in failed[:5]:
+        print(f"  failed request {f['index']} (id {f['id']!r}): {f['error']}")
+    if results and results[0].outputs:
+        print(f"\nfirst completion: {results[0].outputs[0].text[:120]!r}")
+    return 1 if failed else 0
+
+
+def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, Any]:
     stats = llm.get_stats()
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-    gen_tokens = sum(o.metrics.num_generated_tokens for o in outputs)
-    summary = {
-        "requests": len(outputs),
-        "completions": sum(len(o.outputs) for o in outputs),
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in results)
+    gen_tokens = sum(o.metrics.num_generated_tokens for o in results)
+    return {
+        "requests": len(plan.lines),
+        "succeeded": len(results),
+        "failed": len(failed),
+        "completions": sum(len(o.outputs) for o in results),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": gen_tokens,
-        "load_and_warmup_s": round(load_s, 2),
+        "load_s": round(load_s, 2),
+        "warmup_s": round(warmup_s, 2),
+        "load_and_warmup_s": round(load_s + warmup_s, 2),
         "wall_s": round(wall, 2),
-        "generated_tokens_per_s": round(gen_tokens / wall, 1),
-        "total_tokens_per_s": round((prompt_tokens + gen_tokens) / wall, 1),
+        "generated_tokens_per_s": round(gen_tokens / max(wall, 1e-9), 1),
+        "total_tokens_per_s": round((prompt_tokens + gen_tokens) / max(wall, 1e-9), 1),
         "kv_blocks": stats["num_kv_blocks"],
         "peak_kv_usage": round(stats["kv_cache_usage_peak"], 3),
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 3),
@@ -201,13 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         "compiles_after_warmup": stats["num_compiles_after_warmup"],
         "steps": stats["num_steps"],
         "median_step_ms": round(stats["step_time_ms"], 2),
+        "compile_cache": str(llm.compile_cache_dir) if llm.compile_cache_dir else None,
     }
-    print("\n== paged-jax generate summary ==")
-    for key, value in summary.items():
-        print(f"{key:>24}: {value}")
-    if outputs and outputs[0].outputs:
-        print(f"\nfirst completion: {outputs[0].outputs[0].text[:120]!r}")
-    return 0
 
 
 if __name__ == "__main__":
