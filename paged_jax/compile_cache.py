@@ -15,6 +15,26 @@ import pathlib
 ENV_VAR = "PAGED_JAX_COMPILE_CACHE"
 _OFF = ("0", "off", "false", "no")
 _ON = ("1", "on", "true", "yes")
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_MISS_EVENT = "/jax/compilation_cache/cache_misses"
+_counts = {"hits": 0, "misses": 0}
+_listening = False
+
+
+def _on_event(event: str, *_args: object, **_kwargs: object) -> None:
+    if event == _HIT_EVENT:
+        _counts["hits"] += 1
+    elif event == _MISS_EVENT:
+        _counts["misses"] += 1
+
+
+def cache_counts() -> dict[str, int]:
+    """Persistent-cache hits and misses in this process since the cache was enabled.
+
+    (The engine's compile counter counts a cache hit as a compile: jax reports both
+    under the same backend-compile event.)
+    """
+    return dict(_counts)
 
 
 def default_cache_root() -> pathlib.Path:
@@ -60,6 +80,10 @@ def enable_compile_cache(path: str | os.PathLike) -> pathlib.Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"compile cache directory {str(path)!r} cannot be created: {err}") from err
+    global _listening
+    if not _listening:
+        jax.monitoring.register_event_listener(_on_event)
+        _listening = True
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

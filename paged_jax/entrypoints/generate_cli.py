@@ -207,6 +207,7 @@ class _Plan:
     output: JsonlStream | None
     summary_path: pathlib.Path | None
     compile_cache: bool | str
+    cache_use: dict[str, int] = dataclasses.field(default_factory=dict)  # warm-up hits/misses
 
 
 def _prepare(args: argparse.Namespace) -> _Plan:
@@ -293,9 +294,12 @@ def _load(args: argparse.Namespace, plan: _Plan):
                 flush=True,
             )
 
-    t0 = time.perf_counter()
+    from paged_jax.compile_cache import cache_counts
+
+    t0, before = time.perf_counter(), cache_counts()
     llm.engine.warmup(progress)
     warmup_s = time.perf_counter() - t0
+    plan.cache_use = {f"compile_cache_{k}": v - before[k] for k, v in cache_counts().items()}
     if not args.no_tqdm:
         print(file=sys.stderr)
     _say(args, f"warm-up done in {warmup_s:.1f} s")
@@ -457,10 +461,12 @@ def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, An
         "peak_kv_usage": round(stats["kv_cache_usage_peak"], 3),
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 3),
         "preemptions": stats["num_preemptions"],
+        "warmup_compiles": stats["num_compiles"] - stats["num_compiles_after_warmup"],
         "compiles_after_warmup": stats["num_compiles_after_warmup"],
         "steps": stats["num_steps"],
         "median_step_ms": round(stats["step_time_ms"], 2),
         "compile_cache": str(llm.compile_cache_dir) if llm.compile_cache_dir else None,
+        **(plan.cache_use if llm.compile_cache_dir else {}),
     }
 
 
