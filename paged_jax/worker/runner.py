@@ -22,7 +22,12 @@ from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
 from paged_jax.worker.input_batch import StepInput
-from paged_jax.worker.sampling import SamplerOutput, SamplingMetadata, sample
+from paged_jax.worker.sampling import (
+    SamplerOutput,
+    SamplingMetadata,
+    sample,
+    with_fed_last_token,
+)
 from paged_jax.worker.token_feed import TokenFeed, feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -153,6 +158,7 @@ class Runner:
             logits, kv_caches = m.forward_paged(
                 token_ids, positions, kv_caches, attn_meta, attention_backend=backend
             )
+            samp_meta = with_fed_last_token(samp_meta, token_ids, attn_meta.logits_indices)
             out = sample(logits, samp_meta)
             return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
 

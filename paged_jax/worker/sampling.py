@@ -97,6 +97,29 @@ def apply_penalties(
     return logits - presence[:, None] * (counts > 0)
 
 
+def with_fed_last_token(
+    meta: SamplingMetadata, token_ids: jax.Array, logits_indices: jax.Array
+) -> SamplingMetadata:
+    """The history with each row's last position set to the token the step really read.
+
+    With async scheduling the host packs a row's history before it has the row's newest
+    token (the step reads it from the device slot instead), so position history_lens - 1
+    may hold a stale id; the step's own input token at logits_indices is the right one.
+
+    Args:
+        token_ids: i32[T] the step's input tokens after the device feed.
+        logits_indices: i32[S] index of each row's last scheduled token.
+    """
+    if meta.history_token_ids is None:
+        return meta
+    history = meta.history_token_ids
+    rows = jnp.arange(history.shape[0])
+    # Padding rows (length 0) point past the end and are dropped.
+    cols = jnp.where(meta.history_lens > 0, meta.history_lens - 1, history.shape[1])
+    last = token_ids[logits_indices]
+    return meta._replace(history_token_ids=history.at[rows, cols].set(last, mode="drop"))
+
+
 def _maybe_penalize(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """apply_penalties when the metadata carries them and some row uses one (run-time cond)."""
     if meta.history_token_ids is None:

@@ -10,7 +10,12 @@ from paged_jax.config import EngineConfig
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.sampling import SamplingMetadata, apply_penalties, sample
+from paged_jax.worker.sampling import (
+    SamplingMetadata,
+    apply_penalties,
+    sample,
+    with_fed_last_token,
+)
 
 
 def _penalize(logits, history, lens, num_out, presence=0.0, frequency=0.0, repetition=1.0):
@@ -112,3 +117,22 @@ def test_input_batch_sends_a_history_only_when_a_row_uses_penalties():
 def test_bad_penalty_values_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**{field: value})
+
+
+def test_history_last_position_takes_the_fed_token():
+    # Row 0 decodes (its newest token 9 was unknown to the host: stale 0 in the history);
+    # row 1 is padding (length 0) and must stay untouched.
+    history = jnp.asarray([[4, 5, 0, 0], [1, 1, 1, 1]], jnp.int32)
+    meta = SamplingMetadata(
+        temperature=jnp.zeros(2),
+        top_k=jnp.zeros(2, jnp.int32),
+        top_p=jnp.ones(2),
+        min_p=jnp.zeros(2),
+        seeds=jnp.zeros(2, jnp.uint32),
+        counters=jnp.asarray([1, 0], jnp.int32),
+        masked_token_ids=jnp.full((2, 1), -1, jnp.int32),
+        history_token_ids=history,
+        history_lens=jnp.asarray([3, 0], jnp.int32),
+    )
+    fed = with_fed_last_token(meta, jnp.asarray([9, 3, 3], jnp.int32), jnp.asarray([0, 0]))
+    np.testing.assert_array_equal(np.asarray(fed.history_token_ids), [[4, 5, 9, 0], [1, 1, 1, 1]])
