@@ -112,6 +112,8 @@ class CausalLM(nnx.Module):
     hf_base_prefix: ClassVar[str] = "model."
     # Regexes of checkpoint keys that are buffers or duplicates, never parameters.
     hf_ignored_keys: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
+    # Tensor-parallel split of every param (paged_jax.models.partitioning); None: no TP.
+    partition_rules: ClassVar[tuple[tuple[str, tuple[str | None, ...]], ...] | None] = None
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, attention_backend: str = "auto"):
         if config.model_type != self.model_type:

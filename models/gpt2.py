@@ -25,6 +25,12 @@ from typing import Any
 from paged_jax.models.config import ModelConfig, common_fields
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import MLP, LayerNorm
+from paged_jax.models.partitioning import (
+    ATTENTION_RULES,
+    PLAIN_MLP_RULES,
+    VOCAB_RULES,
+    PartitionRules,
+)
 from paged_jax.models.weights import WeightRule, conv1d_columns, embedding, norm, torch_linear
 
 GPT2_DEFAULTS: dict[str, Any] = dict(
@@ -42,12 +48,22 @@ GPT2_DEFAULTS: dict[str, Any] = dict(
     tie_word_embeddings=True,
 )
 
+# Tensor-parallel split. The fused c_attn is cut into q/k/v at load (column thirds), so
+# each third is column-parallel on its own and every device gets whole heads of each.
+GPT2_PARTITION_RULES: PartitionRules = (
+    VOCAB_RULES
+    + ((r"^embed_positions/embedding$", (None, None)),)
+    + ATTENTION_RULES
+    + PLAIN_MLP_RULES
+)
+
 
 class GPT2LMHeadModel(CausalLM):
     """GPT-2 decoder (GPT2LMHeadModel checkpoints, with or without the transformer. prefix)."""
 
     model_type = "gpt2"
     architectures = ("GPT2LMHeadModel",)
+    partition_rules = GPT2_PARTITION_RULES
     norm_cls = LayerNorm
     mlp_cls = MLP
     use_rope = False

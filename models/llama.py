@@ -21,6 +21,12 @@ from typing import Any
 
 from paged_jax.models.config import ModelConfig, common_fields, rope_from_hf
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.partitioning import (
+    ATTENTION_RULES,
+    GATED_MLP_RULES,
+    VOCAB_RULES,
+    PartitionRules,
+)
 from paged_jax.models.weights import WeightRule, embedding, norm, torch_linear
 
 # Hugging Face LlamaConfig defaults for keys an older config.json may leave out.
@@ -38,6 +44,10 @@ LLAMA_DEFAULTS: dict[str, Any] = dict(
     attention_bias=False,
     mlp_bias=False,
 )
+
+
+# Tensor-parallel split of every param (Qwen2 and Mistral share it; qkv biases included).
+LLAMA_PARTITION_RULES: PartitionRules = VOCAB_RULES + ATTENTION_RULES + GATED_MLP_RULES
 
 
 def llama_config(
@@ -104,6 +114,7 @@ class LlamaForCausalLM(CausalLM):
 
     model_type = "llama"
     architectures = ("LlamaForCausalLM",)
+    partition_rules = LLAMA_PARTITION_RULES
 
     @classmethod
     def config_from_hf(

@@ -13,12 +13,19 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from paged_jax.models.config import ModelConfig, canonical_dtype
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.partitioning import (
+    param_shardings,
+    tensor_parallel_config,
+    tensor_parallel_weight_rules,
+)
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule
@@ -123,8 +130,18 @@ def fill_params(
     rules: Sequence[WeightRule],
     read: Callable[[str], np.ndarray],
     dtype: str,
+    place: Callable[[Any, np.ndarray], Any] | None = None,
 ) -> CausalLM:
-    """Converts each checkpoint tensor by its rules into the abstract state and merges."""
+    """Converts each checkpoint tensor by its rules into the abstract state and merges.
+
+    `place(param_path, host_array)` puts each converted array on device (default: the
+    default device, cast to `dtype`); a mesh-sharded load places each shard directly.
+    """
+    if place is None:
+
+        def place(_path: Any, value: np.ndarray) -> Any:
+            return jnp.asarray(value, dtype=dtype)
+
     expected_paths = {path for path, _ in nnx.to_flat_state(state)}
     table_paths = [rule.param_path for rule in rules]
     assert set(table_paths) == expected_paths and len(table_paths) == len(expected_paths), (
@@ -142,7 +159,7 @@ def fill_params(
         for rule in name_rules:
             try:
                 value = np.asarray(rule.transform(array))
-                converted = jnp.asarray(value, dtype=dtype)
+                converted = place(rule.param_path, value)
             except (ValueError, TypeError) as err:
                 raise ValueError(
                     f"tensor {name!r} ({array.dtype}{list(array.shape)}) cannot be converted "
@@ -181,7 +198,11 @@ def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelCo
 
 
 def load_model(
-    path: str | pathlib.Path, dtype: str = "float32", *, attention_backend: str = "auto"
+    path: str | pathlib.Path,
+    dtype: str = "float32",
+    *,
+    attention_backend: str = "auto",
+    mesh: Mesh | None = None,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint directory (config.json + *.safetensors).
 
@@ -190,6 +211,10 @@ def load_model(
             model.safetensors or sharded files with model.safetensors.index.json.
         dtype: "float32", "bfloat16" or "float16": params and activations.
         attention_backend: pallas_kernels backend of the paged forward.
+        mesh: a 1-D tensor-parallel mesh (paged_jax.worker.sharding.make_mesh): every
+            param is placed split by the family's partition rules straight from the
+            host copy (never whole on one device), KV heads repeated when fewer than
+            devices (see paged_jax.models.partitioning).
 
     Returns:
         The model; `model(input_ids)` is the dense forward, `model.config` its ModelConfig.
@@ -210,13 +235,25 @@ def load_model(
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
+    place = None
+    if mesh is not None:
+        if cls.partition_rules is None:
+            raise ValueError(f"{cls.__name__} declares no partition_rules: no tensor parallelism")
+        rules = tensor_parallel_weight_rules(rules, cls.partition_rules, config, mesh.size)
+        config = tensor_parallel_config(config, mesh.size)
     graphdef, state = abstract_model(cls, config, attention_backend)
+    if mesh is not None:
+        shardings, _ = param_shardings(cls.partition_rules, state, mesh)
+        np_dtype = jnp.dtype(dtype)
+
+        def place(param_path: Any, value: np.ndarray) -> Any:
+            return jax.device_put(value.astype(np_dtype), shardings[tuple(param_path)])
 
     def read(name: str) -> np.ndarray:
         return checkpoint.read(names[name])
 
     try:
-        return fill_params(graphdef, state, rules, read, dtype)
+        return fill_params(graphdef, state, rules, read, dtype, place)
     except ValueError as err:
         if "weights file" in str(err):
             raise

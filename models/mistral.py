@@ -10,7 +10,12 @@ from typing import Any
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import CausalLM
-from paged_jax.models.llama import LLAMA_DEFAULTS, llama_config, llama_weight_rules
+from paged_jax.models.llama import (
+    LLAMA_DEFAULTS,
+    LLAMA_PARTITION_RULES,
+    llama_config,
+    llama_weight_rules,
+)
 from paged_jax.models.weights import WeightRule
 
 MISTRAL_DEFAULTS: dict[str, Any] = dict(
@@ -27,6 +32,7 @@ class MistralForCausalLM(CausalLM):
 
     model_type = "mistral"
     architectures = ("MistralForCausalLM",)
+    partition_rules = LLAMA_PARTITION_RULES
 
     @classmethod
     def config_from_hf(

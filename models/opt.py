@@ -24,6 +24,12 @@ from typing import Any
 from paged_jax.models.config import ModelConfig, common_fields
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import MLP, LayerNorm
+from paged_jax.models.partitioning import (
+    ATTENTION_RULES,
+    PLAIN_MLP_RULES,
+    VOCAB_RULES,
+    PartitionRules,
+)
 from paged_jax.models.weights import WeightRule, embedding, norm, torch_linear
 
 OPT_DEFAULTS: dict[str, Any] = dict(
@@ -42,12 +48,25 @@ OPT_DEFAULTS: dict[str, Any] = dict(
     tie_word_embeddings=True,
 )
 
+# Tensor-parallel split; the learned positions and OPT-350m's small project_in/out
+# (f[E, D] with E < D) stay replicated.
+OPT_PARTITION_RULES: PartitionRules = (
+    VOCAB_RULES
+    + (
+        (r"^embed_positions/embedding$", (None, None)),
+        (r"^project_(in|out)/kernel$", (None, None)),
+    )
+    + ATTENTION_RULES
+    + PLAIN_MLP_RULES
+)
+
 
 class OPTForCausalLM(CausalLM):
     """OPT decoder (OPTForCausalLM checkpoints, or OPTModel ones without the model. prefix)."""
 
     model_type = "opt"
     architectures = ("OPTForCausalLM",)
+    partition_rules = OPT_PARTITION_RULES
     norm_cls = LayerNorm
     mlp_cls = MLP
     use_rope = False

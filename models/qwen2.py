@@ -11,7 +11,12 @@ from typing import Any
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import CausalLM
-from paged_jax.models.llama import LLAMA_DEFAULTS, llama_config, llama_weight_rules
+from paged_jax.models.llama import (
+    LLAMA_DEFAULTS,
+    LLAMA_PARTITION_RULES,
+    llama_config,
+    llama_weight_rules,
+)
 from paged_jax.models.weights import WeightRule
 
 QWEN2_DEFAULTS: dict[str, Any] = dict(
@@ -46,6 +51,7 @@ class Qwen2ForCausalLM(CausalLM):
 
     model_type = "qwen2"
     architectures = ("Qwen2ForCausalLM",)
+    partition_rules = LLAMA_PARTITION_RULES
 
     @classmethod
     def config_from_hf(

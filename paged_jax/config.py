@@ -58,6 +58,8 @@ class EngineConfig:
             step N+1 while step N runs and reads step N's tokens afterwards (sampled
             ids reach step N+1 on device). Outputs equal the synchronous engine's; a
             request ended by a stop token or string costs one discarded extra token.
+        tensor_parallel_size: devices the model and KV caches are split over (a 1-D
+            mesh over the first N devices; docs/scale_out.md). 1: one device, no mesh.
     """
 
     block_size: int = 16
@@ -74,6 +76,7 @@ class EngineConfig:
     seed: int = 0
     hash_algo: str = "sha256"
     async_scheduling: bool = True
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -127,6 +130,8 @@ class EngineConfig:
                 fail(name, f"one of {allowed}")
         if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             fail("seed", "an int in [0, 2**32)")
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            fail("tensor_parallel_size", "an int >= 1")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -440,4 +440,6 @@ class Engine:
             "host_time_ms": 1e3 * statistics.median(self._host_times) if self._host_times else 0.0,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            **self.runner.memory_per_device(),
         }

@@ -63,7 +63,8 @@ class LLM:
         chat_template: Jinja text overriding the checkpoint's chat template (LLM.chat).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
-            preemption_mode, scheduling_policy, attention_backend, dtype, seed, hash_algo).
+            preemption_mode, scheduling_policy, attention_backend, dtype, seed, hash_algo,
+            tensor_parallel_size).
 
     Raises:
         ValueError: an unknown engine argument or a bad value (naming it).
@@ -105,7 +106,14 @@ class LLM:
 
             dtype = _resolve_dtype(config.dtype)
             config = dataclasses.replace(config, dtype=dtype)
-            self.model = load_model(path, dtype=dtype, attention_backend=config.attention_backend)
+            mesh = None
+            if config.tensor_parallel_size > 1:  # place each weight split, straight from disk
+                from paged_jax.worker.sharding import make_mesh
+
+                mesh = make_mesh(config.tensor_parallel_size)
+            self.model = load_model(
+                path, dtype=dtype, attention_backend=config.attention_backend, mesh=mesh
+            )
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path / "tokenizer.json"
             if self.chat_template is None:

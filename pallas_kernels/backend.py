@@ -73,17 +73,20 @@ def check_backend(name: str, platform: str | None = None) -> None:
         )
 
 
-def get_attention_ops(name: str = "auto") -> AttentionOps:
+def get_attention_ops(name: str | AttentionOps = "auto") -> AttentionOps:
     """Returns the paged ops of one backend.
 
     Args:
         name: "auto" (Pallas kernels when ``jax.default_backend() == "gpu"``, else the
             pure-JAX reference), "pallas" (Pallas/Triton kernels, GPU), "pallas_interpret"
-            (the same kernels run by the Pallas interpreter, for CPU tests) or "reference".
+            (the same kernels run by the Pallas interpreter, for CPU tests) or "reference";
+            an AttentionOps (e.g. one whose ops run per shard of a mesh) is returned as is.
 
     Raises:
         ValueError: ``name`` is not one of the names above.
     """
+    if isinstance(name, AttentionOps):
+        return name
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "reference"
     if name == "pallas":

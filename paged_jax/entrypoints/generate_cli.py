@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=DTYPES, default=c.dtype, help="auto = bf16 on GPU, else f32")
     e.add_argument("--engine-seed", type=int, default=c.seed, help="seed for unseeded requests")
     e.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=c.tensor_parallel_size,
+        help="split weights and KV caches over the first N devices (docs/scale_out.md)",
+    )
+    e.add_argument(
         "--compile-cache-dir",
         default=None,
         help="JAX compilation cache directory (None = ~/.cache/paged_jax/jax_compile_cache)",
@@ -170,6 +176,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         seed=args.engine_seed,
         async_scheduling=not args.no_async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -28,6 +28,7 @@ from paged_jax.worker.sampling import (
     sample,
     with_fed_last_token,
 )
+from paged_jax.worker.sharding import TensorParallel, per_device_bytes
 from paged_jax.worker.token_feed import TokenFeed, feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -127,17 +128,28 @@ class Runner:
     Args:
         model: a ``paged_jax.PagedModel``. An NNX module is split so its weights are
             step arguments; any other object is closed over by the jitted step.
-        config: a resolved EngineConfig.
+        config: a resolved EngineConfig. With tensor_parallel_size > 1 the model's
+            weights and the KV caches are split over a mesh (paged_jax.worker.sharding).
     """
 
     def __init__(self, model: PagedModel, config: EngineConfig):
         _install_compile_listener()
         self.config = config
-        self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size))
+        tp = config.tensor_parallel_size
+        self.tp = TensorParallel(model, tp) if tp > 1 else None
+        model = model if self.tp is None else self.tp.model
+        # One device's share of a block: the pool is sized from per-device memory.
+        self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size)) // tp
         self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block)
-        self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size)
+        if self.tp is None:
+            self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size)
+        else:
+            self.kv_caches = self.tp.init_kv_caches(self.num_kv_blocks, config.block_size)
         self.attention_backend = config.attention_backend
         backend = self.attention_backend
+        if self.tp is not None:  # the kernels run per shard, on each device's heads
+            backend = self.tp.attention_ops(backend)
+        gather = (lambda x: x) if self.tp is None else self.tp.gather
         if isinstance(model, nnx.Module):
             graphdef, self.weights = nnx.split(model)
 
@@ -159,12 +171,19 @@ class Runner:
                 token_ids, positions, kv_caches, attn_meta, attention_backend=backend
             )
             samp_meta = with_fed_last_token(samp_meta, token_ids, attn_meta.logits_indices)
-            out = sample(logits, samp_meta)
+            out = sample(gather(logits), samp_meta)
             return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
 
-        self._step = jax.jit(step_fn, donate_argnums=(1, 2))
         # Last sampled id per input-batch row: the device half of async scheduling.
         self.row_tokens = init_row_tokens(config.max_num_seqs)
+        tp_out = {}
+        if self.tp is not None:
+            # Donated caches come back with their input sharding (jax#25346); row tokens
+            # live replicated from the start, so the first step sees the same shardings.
+            rep = self.tp.replicated
+            tp_out = dict(out_shardings=(rep, self.tp.kv_sharding, rep))
+            self.row_tokens = jax.device_put(self.row_tokens, rep)
+        self._step = jax.jit(step_fn, donate_argnums=(1, 2), **tp_out)
         width = config.max_blocks_per_seq
         self._swap_width = width
 
@@ -178,7 +197,8 @@ class Runner:
             ]
 
         self._gather = jax.jit(gather_blocks)
-        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,))
+        tp_out = {} if self.tp is None else dict(out_shardings=self.tp.kv_sharding)
+        self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,), **tp_out)
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
 
@@ -261,9 +281,19 @@ class Runner:
             assert result.token_ids.shape == (0,), "a padding-only step produced samples"
         if self.config.preemption_mode == "swap":
             ids = np.zeros(self._swap_width, np.int32)
-            blocks = self._gather(self.kv_caches, ids)
+            # Host copies, as swap_in passes them: the same input shardings, no recompile.
+            blocks = jax.device_get(self._gather(self.kv_caches, ids))
             drop = np.full(self._swap_width, self.num_kv_blocks, np.int32)
             self.kv_caches = self._scatter(self.kv_caches, drop, blocks)
+
+    def memory_per_device(self) -> dict[str, int]:
+        """The most bytes of weights and of KV caches that any one device holds."""
+        weights = per_device_bytes(self.weights)
+        kv = per_device_bytes(self.kv_caches)
+        return {
+            "weight_bytes_per_device": max(weights.values(), default=0),
+            "kv_cache_bytes_per_device": max(kv.values(), default=0),
+        }
 
     # ------------------------------------------------------------------ swap
     def swap_out(self, req_id: str, block_ids: list[int]) -> None:
