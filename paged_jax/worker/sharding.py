@@ -178,6 +178,13 @@ class TensorParallel:
         """The backend's paged ops, run per shard."""
         return sharded_attention_ops(pallas_kernels.get_attention_ops(backend), self.mesh)
 
-    def gather(self, x: jax.Array) -> jax.Array:
-        """Inside jit: `x` replicated on every device (vocab-split logits -> full rows)."""
-        return jax.lax.with_sharding_constraint(x, self.replicated)
+    def gather(self, logits: jax.Array) -> jax.Array:
+        """Inside jit: f32[S, V] logits of the vocab-parallel head, replicated on every device.
+
+        The logits are pinned vocab-split first: left free, XLA all-gathers the [D, V]
+        LM head weight instead of the much smaller [S, V] logits (seen in the HLO).
+        """
+        if logits.shape[-1] % self.size == 0:
+            split = NamedSharding(self.mesh, PartitionSpec(None, TP_AXIS))
+            logits = jax.lax.with_sharding_constraint(logits, split)
+        return jax.lax.with_sharding_constraint(logits, self.replicated)
