@@ -80,3 +80,10 @@ def test_sampling_params_normalises_stop_inputs():
     assert p.stop_token_ids == (3, 4)
     assert p.effective_top_k == 0
     assert p.greedy
+
+
+def test_tensor_parallel_size_defaults_to_one_and_is_validated():
+    assert EngineConfig().tensor_parallel_size == 1
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size={bad!r} must be an int >= 1"):
+            EngineConfig(tensor_parallel_size=bad)

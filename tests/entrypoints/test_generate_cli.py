@@ -50,6 +50,7 @@ def test_generate_cli_writes_valid_jsonl(model_dir, tmp_path, capsys):
         (["--block-size", "12"], r"block_size=12 must be a power of two"),
         (["--temperature", "-1"], r"temperature=-1.0 must be"),
         (["--repetition-penalty", "0"], r"repetition_penalty=0.0 must be a number > 0"),
+        (["--tensor-parallel-size", "0"], r"tensor_parallel_size=0 must be an int >= 1"),
     ],
 )
 def test_generate_cli_errors_are_one_line_exit_2(args, match, capsys):
@@ -57,3 +58,12 @@ def test_generate_cli_errors_are_one_line_exit_2(args, match, capsys):
     err = capsys.readouterr().err
     assert re.search(match, err)
     assert err.count("\n") == 1 and "usage:" not in err and "Traceback" not in err
+
+
+def test_tensor_parallel_size_beyond_the_devices_is_a_clear_error(model_dir, capsys):
+    """This process has one CPU device; the flag reaches make_mesh, which names the fix."""
+    code = generate_main(["--model", str(model_dir), "--tensor-parallel-size", "2", "--no-tqdm"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "tensor_parallel_size=2 must be <= the number of devices (1 cpu)" in err
+    assert "--xla_force_host_platform_device_count=2" in err
