@@ -2,6 +2,7 @@
 
     python scripts/bench_engine.py                       # built-in random Llama, ~2 min on CPU
     python scripts/bench_engine.py --num-requests 8 --systems paged,contiguous
+    python scripts/bench_engine.py --tensor-parallel-size 2,4,8 --num-requests 8   # TP vs N=1
 
 Prints a table and writes JSON (--output). See docs/engine_benchmark.md.
 """
@@ -51,6 +52,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=128)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument(
+        "--tensor-parallel-size",
+        default="1",
+        help="N or a comma list: also serve the trace split over N devices and compare "
+        "per-device memory and greedy outputs with N=1 (on CPU the N devices are faked "
+        "and speed is not reported)",
+    )
     e.add_argument("--hf-batch-size", type=int, default=None, help="default: contiguous slots")
     e.add_argument(
         "--torch-threads",
@@ -64,6 +72,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or "paged" not in systems:
         p.error(f"--systems={args.systems!r} must list paged plus any of {SYSTEMS}")
+    try:
+        sizes = sorted({int(n) for n in args.tensor_parallel_size.split(",")})
+    except ValueError:
+        sizes = [0]
+    if sizes[0] < 1:
+        p.error(f"--tensor-parallel-size={args.tensor_parallel_size!r} must be ints >= 1")
+    args.tensor_parallel_sizes = [n for n in sizes if n > 1]
     args.systems = systems
     return args
 
@@ -107,6 +122,7 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
     per_token = harness.kv_bytes_per_token(model)
     budget = args.kv_budget_bytes or args.budget_full_requests * args.max_model_len * per_token
     contiguous_slots = budget // (args.max_model_len * per_token)
+    report_base = _report_base(args, model, workload, trace, budget, per_token, contiguous_slots)
     results: dict[str, harness.SystemResult] = {}
     print(f"trace: {trace_summary(trace)}", flush=True)
     print(f"KV budget {budget} bytes = {budget // per_token} token slots", flush=True)
@@ -121,6 +137,8 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
     )
+    if args.tensor_parallel_sizes:
+        return run_tensor_parallel(args, model_dir, trace, results["paged-jax"], report_base)
     if "contiguous" in args.systems:
         print("running contiguous-KV baseline ...", flush=True)
         results["contiguous-kv"] = harness.run_contiguous(
@@ -136,7 +154,71 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
             num_threads=args.torch_threads or None,
         )
     table = harness.format_table(results)
-    report = {
+    report = {**report_base, "results": {name: r.summary() for name, r in results.items()}}
+    report.update(**harness.compare(results), table=table)
+    return report
+
+
+def run_tensor_parallel(
+    args: argparse.Namespace, model_dir: pathlib.Path, trace, one, report_base: dict
+) -> dict:
+    """The paged engine at each N next to its N=1 run `one`: per-device bytes, outputs."""
+    import jax
+
+    from paged_jax.baselines import harness
+    from paged_jax.models import load_model
+    from paged_jax.worker.sharding import make_mesh
+
+    keys = ("weight_bytes_per_device", "kv_cache_bytes_per_device", "num_compiles_after_warmup")
+    speed = jax.default_backend() != "cpu"  # fake CPU devices share the host's cores
+    rows = {1: {**{k: one.extra[k] for k in keys}, "greedy_outputs_equal_to_tp1": 1.0}}
+    rows[1]["num_kv_heads_per_device"] = report_base["model"]["num_key_value_heads"]
+    for n in args.tensor_parallel_sizes:
+        print(f"running paged-jax engine, tensor_parallel_size={n} ...", flush=True)
+        model = load_model(model_dir, dtype=args.dtype, mesh=make_mesh(n))
+        split = harness.run_paged(
+            model,
+            trace,
+            budget_bytes=0,
+            num_kv_blocks=one.extra["num_kv_blocks"],
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
+            tensor_parallel_size=n,
+        )
+        same = sum(one.outputs[r] == split.outputs[r] for r in one.outputs) / len(one.outputs)
+        rows[n] = {**{k: split.extra[k] for k in keys}, "greedy_outputs_equal_to_tp1": same}
+        rows[n]["num_kv_heads_per_device"] = int(model.config.num_key_value_heads) // n
+        if speed:
+            rows[n]["tokens_per_s"] = split.tokens_per_s
+    if speed:
+        rows[1]["tokens_per_s"] = one.tokens_per_s
+    header = f"{'N':>3} {'weights B/dev':>14} {'KV B/dev':>12} {'compiles':>9} {'= N=1':>6}"
+    lines = [header, "-" * len(header)]
+    for n, row in rows.items():
+        lines.append(
+            f"{n:>3} {row['weight_bytes_per_device']:>14} {row['kv_cache_bytes_per_device']:>12}"
+            f" {row['num_compiles_after_warmup']:>9} {row['greedy_outputs_equal_to_tp1']:>6.0%}"
+        )
+    if not speed:
+        lines.append("speed not reported: the CPU devices are faked (memory and correctness only)")
+    tp = {"per_size": {str(n): row for n, row in rows.items()}, "speed_reported": speed}
+    return {**report_base, "tensor_parallel": tp, "table": "\n".join(lines)}
+
+
+def _report_base(
+    args: argparse.Namespace,
+    model,
+    workload: WorkloadConfig,
+    trace,
+    budget: int,
+    per_token: int,
+    contiguous_slots: int,
+) -> dict:
+    """The run's description shared by both report kinds: command, device, model, trace."""
+    return {
         "command": " ".join(["python", "scripts/bench_engine.py", *sys.argv[1:]]),
         "device": _device_info(),
         "model": {
@@ -156,16 +238,18 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
             "max_model_len": args.max_model_len,
             "contiguous_slots": contiguous_slots,
         },
-        "results": {name: r.summary() for name, r in results.items()},
-        **harness.compare(results),
-        "table": table,
     }
-    return report
 
 
 def main(argv: list[str] | None = None) -> int:
     """Builds (or loads) the model, runs the benchmark, prints the table, writes the JSON."""
     args = _parse_args(argv)
+    if args.tensor_parallel_sizes:
+        import jax
+
+        # On a CPU host, fake N devices (must precede jax's first device query); GPUs
+        # and TPUs are unaffected.
+        jax.config.update("jax_num_cpu_devices", max(args.tensor_parallel_sizes))
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         if args.model:
@@ -178,9 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     report["total_wall_s"] = time.perf_counter() - t0
     print()
     print(report["table"])
+    keys = ("tensor_parallel",) if "tensor_parallel" in report else ("ratios", "targets")
     print(
         json.dumps(
-            {k: report[k] for k in ("ratios", "targets", "greedy_output_agreement")}, indent=2
+            {k: report[k] for k in (*keys, "greedy_output_agreement") if k in report}, indent=2
         )
     )
     out = pathlib.Path(args.output)

@@ -74,14 +74,22 @@ def run_paged(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     enable_prefix_caching: bool = True,
+    tensor_parallel_size: int = 1,
+    num_kv_blocks: int | None = None,
 ) -> SystemResult:
-    """Serves the trace with the paged engine, its pool sized to budget_bytes (null block in)."""
+    """Serves the trace with the paged engine, its pool sized to budget_bytes (null block in).
+
+    num_kv_blocks, when given, overrides the budget (a tensor-parallel run keeps the
+    pool of its N=1 twin, so both schedule alike).
+    """
     from paged_jax.config import EngineConfig
     from paged_jax.engine import Engine
     from paged_jax.sampling_params import SamplingParams
 
-    num_kv_blocks = budget_bytes // int(model.kv_bytes_per_block(block_size))
+    if num_kv_blocks is None:
+        num_kv_blocks = budget_bytes // int(model.kv_bytes_per_block(block_size))
     config = EngineConfig(
+        tensor_parallel_size=tensor_parallel_size,
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
@@ -150,6 +158,9 @@ def run_paged(
             "num_preemptions": stats["num_preemptions"],
             "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
             "num_compiles_after_warmup": stats["num_compiles_after_warmup"],
+            "tensor_parallel_size": tensor_parallel_size,
+            "weight_bytes_per_device": stats["weight_bytes_per_device"],
+            "kv_cache_bytes_per_device": stats["kv_cache_bytes_per_device"],
         },
     )
 
