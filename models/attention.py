@@ -1,27 +1,33 @@
 """Multi-head (GQA) self-attention with a dense causal path and a paged-KV-cache path.
 
 The dense path is the parity oracle (no cache, equal-length rows); the paged path writes
-the new tokens' K/V by slot mapping and runs ragged paged attention from pallas_kernels.
+the new tokens' K/V by slot mapping and runs paged attention from pallas_kernels (ragged,
+or the decode kernel on decode-only steps).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from paged_jax.models.config import ModelConfig
-from paged_jax.models.layers import apply_rotary, linear
+from paged_jax.models.layers import apply_rotary, linear, matmul_precision
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache) of one layer; layout is the kernels'
 
 
-class AttentionMetadata(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
     """Where the new tokens of one paged step go and what they attend to (a pytree).
 
     Shapes are fixed per bucket: T tokens (padded), S sequences (padded), W block-table width.
+    ``decode_only`` and ``validate`` are static (pytree metadata, not leaves): a jitted
+    step compiles once per (bucket, flags) and may branch on them in Python.
 
     Attributes:
         slot_mapping: i32[T] cache slot (block_id * block_size + offset) of each token; -1
@@ -34,6 +40,11 @@ class AttentionMetadata(NamedTuple):
         extra_slot_mappings: i32[T] per further KV-cache group (groups 1..G-1): models
             with full and sliding-window layers keep one block table per group.
         extra_block_tables: i32[S, W] per further KV-cache group.
+        decode_only: every sequence has exactly one new token and row i is sequence i's
+            (query_start_loc = [0, 1, ..., n, n, ...]): attention may use the decode
+            kernel (pallas_kernels.step_attention).
+        validate: range-check block ids, slots and lengths on device (debug; the caller
+            functionalizes the checks with checkify, as Runner does).
     """
 
     slot_mapping: jax.Array
@@ -43,6 +54,8 @@ class AttentionMetadata(NamedTuple):
     logits_indices: jax.Array
     extra_slot_mappings: tuple[jax.Array, ...] = ()
     extra_block_tables: tuple[jax.Array, ...] = ()
+    decode_only: bool = False
+    validate: bool = False
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV-cache group `group` reads (its slots and table)."""
@@ -53,12 +66,23 @@ class AttentionMetadata(NamedTuple):
                 f"kv_cache_group={group} needs extra_block_tables/extra_slot_mappings for "
                 f"groups 1..{group}; attn_metadata carries {len(self.extra_block_tables)}"
             )
-        return self._replace(
+        return dataclasses.replace(
+            self,
             slot_mapping=self.extra_slot_mappings[group - 1],
             block_tables=self.extra_block_tables[group - 1],
             extra_slot_mappings=(),
             extra_block_tables=(),
         )
+
+
+_STATIC_FIELDS = ("decode_only", "validate")
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=[
+        f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in _STATIC_FIELDS
+    ],
+    meta_fields=list(_STATIC_FIELDS),
+)
 
 
 def causal_attention(
@@ -79,8 +103,9 @@ def causal_attention(
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     q = q.reshape(batch, seq, num_kv_heads, group, head_dim)
+    precision = matmul_precision(jnp.dtype(q.dtype).name)
     scores = jnp.einsum(
-        "bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32
+        "bqkgd,bskd->bkgqs", q, k, precision=precision, preferred_element_type=jnp.float32
     )  # f32[batch, kv_heads, group, seq_q, seq_k]
     q_pos = jnp.arange(seq)[:, None]
     k_pos = jnp.arange(seq)[None, :]
@@ -92,7 +117,9 @@ def causal_attention(
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)  # f[batch, seq, kv_heads, group, head_dim]
+    out = jnp.einsum(
+        "bkgqs,bskd->bqkgd", probs, v, precision=precision
+    )  # f[batch, seq, kv_heads, group, head_dim]
     return out.reshape(batch, seq, num_heads, head_dim)
 
 
@@ -187,20 +214,23 @@ class Attention(nnx.Module):
         attn_metadata: AttentionMetadata,
         ops: Any,  # pallas_kernels.AttentionOps
     ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
-        """Writes this step's K/V into the paged cache, then ragged paged attention.
+        """Writes this step's K/V into the paged cache, then paged attention (the decode
+        kernel on decode-only steps, else ragged).
 
         Reads and writes through its own KV-cache group's slot mapping and block table.
         """
         attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         q, k, v = self._qkv(x, positions)
         k_cache, v_cache = ops.write_kv(kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping)
-        out = ops.ragged_paged_attention(
+        out = pallas_kernels.step_attention(
+            ops,
             q,
             k_cache,
             v_cache,
             attn_metadata.block_tables,
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
+            decode_only=attn_metadata.decode_only,
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,

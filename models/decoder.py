@@ -23,7 +23,7 @@ from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
 from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.kv_layout import KVCacheLayout, kv_cache_layout
-from paged_jax.models.layers import GatedMLP, RMSNorm, linear
+from paged_jax.models.layers import GatedMLP, RMSNorm, linear, matmul_precision
 
 
 class DecoderLayer(nnx.Module):
@@ -212,7 +212,12 @@ class CausalLM(nnx.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         if self.lm_head is None:
-            logits = jnp.einsum("...e,ve->...v", x, self.embed_tokens.embedding[...])
+            logits = jnp.einsum(
+                "...e,ve->...v",
+                x,
+                self.embed_tokens.embedding[...],
+                precision=matmul_precision(self.config.dtype),
+            )
         else:
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
@@ -251,7 +256,9 @@ class CausalLM(nnx.Module):
         layout = self.kv_layout
         if len(kv_caches) != layout.num_tensors:
             raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {layout.num_tensors}")
-        ops = pallas_kernels.get_attention_ops(attention_backend or self.attention_backend)
+        ops = pallas_kernels.get_attention_ops(
+            attention_backend or self.attention_backend, validate=attn_metadata.validate
+        )
         x = self._embed(token_ids, positions)
         new_caches = list(kv_caches)
         for layer, t in zip(self.layers, layout.tensor_of_layer):

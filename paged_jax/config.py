@@ -60,6 +60,9 @@ class EngineConfig:
             request ended by a stop token or string costs one discarded extra token.
         tensor_parallel_size: devices the model and KV caches are split over (a 1-D
             mesh over the first N devices; docs/scale_out.md). 1: one device, no mesh.
+        validate: debug: range-check block ids, slot mappings, lengths and copy pairs
+            on device in every step (checkify); a bad id raises instead of reading or
+            writing the wrong block. Costs a sync and extra compiles; tests turn it on.
     """
 
     block_size: int = 16
@@ -77,6 +80,7 @@ class EngineConfig:
     hash_algo: str = "sha256"
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
+    validate: bool = False
 
     def __post_init__(self) -> None:
         def fail(name: str, expected: str) -> None:
@@ -116,7 +120,7 @@ class EngineConfig:
             not is_int(self.max_model_len) or self.max_model_len < 2
         ):
             fail("max_model_len", "None or an int >= 2")
-        for name in ("enable_prefix_caching", "async_scheduling"):
+        for name in ("enable_prefix_caching", "async_scheduling", "validate"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "a bool")
         for name, allowed in (

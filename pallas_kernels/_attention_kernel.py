@@ -16,8 +16,14 @@ so block_k need not be a multiple of block_size) and runs one online-softmax ste
 program writes its normalised partial output and log-sum-exp; ``combine_splits`` merges
 the splits in XLA (flash-decoding). Masking: a key is visible to a query at position p iff
 p - window < key <= p (and key < seq_len); invisible scores become a finite -1e30 and
-their probabilities exactly 0, and V is zeroed outside [k_lo, k_hi) intersected with
-[0, seq_len), so NaN/inf in the null block or unused slots can never reach the output.
+their probabilities exactly 0, and K/V are *masked loads* outside [k_lo, k_hi)
+intersected with [0, seq_len) (read as 0, never dereferenced on a GPU), so NaN/inf in
+the null block or unused slots can never reach the output, and block-table entries past
+a sequence's length are never followed.
+
+Precision: both dots accumulate in f32; with f32 inputs they run at
+``lax.Precision.HIGHEST`` (Triton's IEEE f32 dot). Triton's default for f32 is TF32
+(10-bit mantissa), which would make f32 GPU outputs differ from CPU ones by ~1e-3.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels._compat import SQUEEZED, masked_store, triton_params
+from pallas_kernels._compat import SQUEEZED, masked_load, masked_store, triton_params
 
 NEG = -1e30  # finite "minus infinity": exp(NEG - NEG) = 1 stays finite, unlike inf - inf
+# Full f32 precision for f32 dots (IEEE, not TF32); bf16/f16 dots are unaffected.
+DOT_PRECISION = jax.lax.Precision.HIGHEST
+# Smallest key range one split-K program gets: below this, the partial output's write and
+# the combine cost more than the extra parallelism buys (H200 reasoning in docs/kernels.md).
+MIN_SPLIT_TOKENS = 512
 
 
 def _kernel(
@@ -58,6 +69,7 @@ def _kernel(
     split = pl.program_id(2)
     num_splits = pl.num_programs(2)
     heads = q_ref.shape[1]
+    head_dim = q_ref.shape[2]
     m_rows = block_q * heads
 
     seq_raw = block_seq_ref[g]
@@ -91,11 +103,26 @@ def _kernel(
         page_col = jnp.minimum(tok // block_size, max_blocks_per_seq - 1)
         pages = bt_ref[seq, page_col]  # i32[block_k]: page of each token
         offs = tok % block_size
-        k = k_ref[pages, offs, :]  # f[block_k, head_dim]
         key_ok = (tok >= k_lo) & (tok < k_hi)
-        v = jnp.where(key_ok[:, None], v_ref[pages, offs, :], 0)
+        kv_mask = jnp.broadcast_to(key_ok[:, None], (block_k, head_dim))
+        # Masked loads: keys outside the range read as 0 and are never fetched, so a
+        # garbage id past seq_len is never followed and NaN in unused slots stays out
+        # (p = 0 times a NaN V would still be NaN; a loaded 0 is not).
+        # All-array indices (no slices), which the interpreter can discharge too.
+        tile = (block_k, head_dim)
+        idx = (
+            jnp.broadcast_to(pages[:, None], tile),
+            jnp.broadcast_to(offs[:, None], tile),
+            jax.lax.broadcasted_iota(jnp.int32, tile, 1),
+        )
+        k = masked_load(k_ref.at[idx], mask=kv_mask, other=0)  # f[block_k, head_dim]
+        v = masked_load(v_ref.at[idx], mask=kv_mask, other=0)
         s = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            q,
+            k,
+            (((1,), (1,)), ((), ())),
+            precision=DOT_PRECISION,
+            preferred_element_type=jnp.float32,
         )  # f32[M, block_k]
         s = s * scale
         if soft_cap is not None:
@@ -109,7 +136,11 @@ def _kernel(
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         denom = alpha * denom + jnp.sum(p, axis=1)
         pv = jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=DOT_PRECISION,
+            preferred_element_type=jnp.float32,
         )
         return m_new, denom, acc * alpha[:, None] + pv
 
@@ -226,9 +257,11 @@ def combine_splits(
 
 
 def default_num_splits(num_programs: int, max_context: int, block_k: int) -> int:
-    """Enough splits for ~2 programs per SM on a 132-SM GPU, never more than key blocks."""
+    """Enough splits for ~2 programs per SM on a 132-SM GPU, but each split >= 512 keys
+    (MIN_SPLIT_TOKENS) and >= one block_k, and at most 32."""
     target = 264
-    return max(1, min(target // max(num_programs, 1), pl.cdiv(max_context, block_k), 32))
+    per_split = max(MIN_SPLIT_TOKENS, block_k)
+    return max(1, min(target // max(num_programs, 1), pl.cdiv(max_context, per_split), 32))
 
 
 def check_tiling(head_dim: int, **knobs: int) -> None:

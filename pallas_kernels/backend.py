@@ -18,34 +18,30 @@ BACKEND_NAMES = ("auto", "pallas", "pallas_interpret", "reference")
 
 
 class AttentionOps(NamedTuple):
-    """The paged ops, each with the public signature of its reference in reference.py."""
+    """The paged ops, each with the public signature of its reference in reference.py.
+
+    ``validate`` says whether the ops were bound with ``validate=True`` (device-side
+    range checks under checkify; see validation.py).
+    """
 
     write_kv: Callable
     ragged_paged_attention: Callable
     paged_attention: Callable
     copy_blocks: Callable
+    validate: bool = False
 
 
-def _pallas_ops(interpret: bool) -> AttentionOps:
-    from pallas_kernels import block_copy, decode_attention, kv_write, ragged_attention
-
+def _ops(kernels, validate: bool, **bound) -> AttentionOps:
     def bind(fn):
-        return functools.partial(fn, interpret=True) if interpret else fn
+        kw = dict(bound, validate=True) if validate else bound
+        return functools.partial(fn, **kw) if kw else fn
 
     return AttentionOps(
-        write_kv=bind(kv_write.write_kv),
-        ragged_paged_attention=bind(ragged_attention.ragged_paged_attention),
-        paged_attention=bind(decode_attention.paged_attention),
-        copy_blocks=bind(block_copy.copy_blocks),
-    )
-
-
-def _reference_ops() -> AttentionOps:
-    return AttentionOps(
-        write_kv=reference.write_kv,
-        ragged_paged_attention=reference.ragged_paged_attention,
-        paged_attention=reference.paged_attention,
-        copy_blocks=reference.copy_blocks,
+        write_kv=bind(kernels.write_kv),
+        ragged_paged_attention=bind(kernels.ragged_paged_attention),
+        paged_attention=bind(kernels.paged_attention),
+        copy_blocks=bind(kernels.copy_blocks),
+        validate=validate,
     )
 
 
@@ -73,7 +69,7 @@ def check_backend(name: str, platform: str | None = None) -> None:
         )
 
 
-def get_attention_ops(name: str | AttentionOps = "auto") -> AttentionOps:
+def get_attention_ops(name: str | AttentionOps = "auto", *, validate: bool = False) -> AttentionOps:
     """Returns the paged ops of one backend.
 
     Args:
@@ -81,6 +77,9 @@ def get_attention_ops(name: str | AttentionOps = "auto") -> AttentionOps:
             pure-JAX reference), "pallas" (Pallas/Triton kernels, GPU), "pallas_interpret"
             (the same kernels run by the Pallas interpreter, for CPU tests) or "reference";
             an AttentionOps (e.g. one whose ops run per shard of a mesh) is returned as is.
+        validate: Bind ``validate=True`` into every op: block ids, slots, lengths and
+            copy pairs are range-checked on device with checkify (a debug path: the
+            caller wraps its jitted function in ``checkify.checkify``).
 
     Raises:
         ValueError: ``name`` is not one of the names above.
@@ -89,10 +88,11 @@ def get_attention_ops(name: str | AttentionOps = "auto") -> AttentionOps:
         return name
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name == "pallas":
-        return _pallas_ops(interpret=False)
-    if name == "pallas_interpret":
-        return _pallas_ops(interpret=True)
+    if name in ("pallas", "pallas_interpret"):
+        from pallas_kernels import kernels
+
+        interpret = {"interpret": True} if name == "pallas_interpret" else {}
+        return _ops(kernels, validate, **interpret)
     if name == "reference":
-        return _reference_ops()
+        return _ops(reference, validate)
     raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, BACKEND_NAMES))}")

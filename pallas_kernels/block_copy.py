@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import masked_store, triton_params
-from pallas_kernels.validation import validate_copy_blocks
+from pallas_kernels.validation import check_copy_pairs, validate_copy_blocks
 
 
 def _copy_blocks_kernel(
@@ -42,7 +42,7 @@ def _copy_blocks_kernel(
     masked_store(v_cache_ref.at[dst, head], v_cache_ref[src, head], mask=mask)
 
 
-@partial(jax.jit, static_argnames=("num_warps", "interpret"))
+@partial(jax.jit, static_argnames=("num_warps", "interpret", "validate"))
 def copy_blocks(
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
@@ -51,15 +51,20 @@ def copy_blocks(
     *,
     num_warps: int = 2,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> (k_cache, v_cache), updated
     """Copies whole blocks (all heads) from src to dst ids.
 
     Args:
         num_warps: Triton compiler param.
         interpret: Run the Pallas interpreter (CPU tests).
+        validate: Check the (src, dst) pairs against the pool on device (debug; needs
+            checkify).
     """
     validate_copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    if validate:
+        check_copy_pairs(src_block_ids, dst_block_ids, num_blocks)
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
             f"block_size={block_size} and head_dim={head_dim} must be powers of two "

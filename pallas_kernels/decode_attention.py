@@ -23,7 +23,7 @@ from pallas_kernels._attention_kernel import (
     paged_flash_attention,
     ungroup_output,
 )
-from pallas_kernels.validation import validate_attention_inputs
+from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
 
 @partial(
@@ -37,6 +37,7 @@ from pallas_kernels.validation import validate_attention_inputs
         "num_warps",
         "num_stages",
         "interpret",
+        "validate",
     ),
 )
 def paged_attention(
@@ -49,11 +50,12 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_k: int = 64,
+    block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> f[num_seqs, num_q_heads, head_dim]
     """Attention of each sequence's newest token over its paged context.
 
@@ -66,10 +68,15 @@ def paged_attention(
         sliding_window: Keys at positions > p - sliding_window are seen (HF convention).
         soft_cap: Scores become soft_cap * tanh(score / soft_cap).
         block_k: Keys per online-softmax step (power of two >= 16; need not be a
-            multiple of block_size).
-        num_splits: Split-K factor; None picks one from the static shapes.
-        num_warps, num_stages: Triton compiler params.
+            multiple of block_size). None: 128 for 16-bit caches, 64 for f32.
+        num_splits: Split-K factor; None picks one from the static shapes (each split
+            >= 512 keys, about 2 programs per SM).
+        num_warps, num_stages: Triton compiler params; num_stages None: 3 for 16-bit
+            caches, 2 for f32 (shared memory: stages x 2 K/V tiles must fit 227 KB).
+            Defaults are reasoned for the H200, not yet measured (docs/kernels.md).
         interpret: Run the Pallas interpreter (CPU tests).
+        validate: Check block ids and lengths against the pool on device (debug;
+            needs checkify, see ``pallas_kernels.checked``).
 
     Returns:
         The attention output, in q's dtype.
@@ -84,8 +91,13 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    if validate:
+        check_attention_values(k_cache, block_tables, seq_lens)
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
+    wide = jnp.dtype(k_cache.dtype).itemsize >= 4
+    block_k = (64 if wide else 128) if block_k is None else block_k
+    num_stages = (2 if wide else 3) if num_stages is None else num_stages
     check_tiling(head_dim, block_k=block_k)
     block_k = max(block_k, 16)
     max_context = block_tables.shape[1] * block_size

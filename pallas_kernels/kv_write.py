@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import SQUEEZED, masked_store, triton_params
-from pallas_kernels.validation import validate_write_kv
+from pallas_kernels.validation import check_slot_mapping, validate_write_kv
 
 
 def _write_kv_kernel(
@@ -48,7 +48,7 @@ def _write_kv_kernel(
     masked_store(v_cache_ref.at[dst], v_ref[...].astype(v_cache_ref.dtype), mask=mask)
 
 
-@partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret"))
+@partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret", "validate"))
 def write_kv(
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
@@ -59,6 +59,7 @@ def write_kv(
     block_t: int = 16,
     num_warps: int = 1,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> (k_cache, v_cache), updated
     """Writes each token's K/V at its slot; slots must be distinct (except -1).
 
@@ -66,9 +67,12 @@ def write_kv(
         block_t: Tokens per program (power of two).
         num_warps: Triton compiler param.
         interpret: Run the Pallas interpreter (CPU tests).
+        validate: Check every slot against the pool on device (debug; needs checkify).
     """
     validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
+    if validate:
+        check_slot_mapping(slot_mapping, num_blocks, block_size)
     num_tokens = k.shape[0]
     if head_dim & (head_dim - 1) or block_t & (block_t - 1):
         raise ValueError(f"head_dim={head_dim} and block_t={block_t} must be powers of two")

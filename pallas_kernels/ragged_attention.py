@@ -28,7 +28,7 @@ from pallas_kernels._attention_kernel import (
     paged_flash_attention,
     ungroup_output,
 )
-from pallas_kernels.validation import validate_attention_inputs
+from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
 
 def query_blocks(
@@ -60,6 +60,7 @@ def query_blocks(
         "num_warps",
         "num_stages",
         "interpret",
+        "validate",
     ),
 )
 def ragged_paged_attention(
@@ -79,6 +80,7 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
     """Causal attention of every new token over its sequence's paged context.
 
@@ -89,7 +91,8 @@ def ragged_paged_attention(
     Args:
         block_q: Query tokens per program (power of two); rows per dot are
             block_q * next_pow2(heads per KV head), raised to at least 16.
-        block_k, num_splits, num_warps, num_stages, interpret: As in ``paged_attention``.
+        block_k, num_splits, num_warps, num_stages, interpret, validate: As in
+            ``paged_attention`` (validate also checks query_start_loc).
         Others: as in ``paged_attention``.
 
     Returns:
@@ -106,6 +109,8 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    if validate:
+        check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = block_tables.shape[0]
     _, num_kv_heads, block_size, _ = k_cache.shape

@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.validation import (
+    check_attention_values,
+    check_copy_pairs,
+    check_slot_mapping,
     validate_attention_inputs,
     validate_copy_blocks,
     validate_write_kv,
@@ -101,7 +104,7 @@ def _attend_rows(
     return o.reshape(n, num_q_heads, head_dim)
 
 
-@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
+@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "validate"))
 def paged_attention(
     q,  # f[num_seqs, num_q_heads, head_dim]
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
@@ -113,6 +116,7 @@ def paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> f[num_seqs, num_q_heads, head_dim]
     """Decode attention (one query per sequence, at position seq_len - 1); see the kernel."""
     del interpret  # accepted for signature parity with the kernel
@@ -126,6 +130,8 @@ def paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    if validate:
+        check_attention_values(k_cache, block_tables, seq_lens)
     o = _attend_rows(
         q,
         k_cache,
@@ -159,7 +165,7 @@ def token_seq_positions(
     return seq, jnp.where(valid, pos, -1), valid
 
 
-@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret"))
+@partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "validate"))
 def ragged_paged_attention(
     q,  # f[num_tokens, num_q_heads, head_dim]
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
@@ -172,6 +178,7 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     interpret: bool = False,
+    validate: bool = False,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
     """Causal attention for a flat batch of prefill chunks and decode tokens; see the kernel."""
     del interpret
@@ -186,6 +193,8 @@ def ragged_paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
+    if validate:
+        check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
     num_tokens, num_q_heads, head_dim = q.shape
     seq, pos, _ = token_seq_positions(query_start_loc, seq_lens, num_tokens)
     chunk = min(_RAGGED_CHUNK, num_tokens)
@@ -218,17 +227,21 @@ def slots_to_indices(slot_mapping, num_blocks: int, block_size: int):  # -> (i32
     return block.astype(jnp.int32), (slot_mapping % block_size).astype(jnp.int32)
 
 
-@jax.jit
+@partial(jax.jit, static_argnames=("validate",))
 def write_kv(
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     k,  # f[num_tokens, num_kv_heads, head_dim]
     v,  # f[num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; -1 = padding, dropped
+    *,
+    validate: bool = False,
 ):  # -> (k_cache, v_cache)
     """Scatters each token's K/V to its slot; in place when the caches are donated."""
     validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
     num_blocks, _, block_size, _ = k_cache.shape
+    if validate:
+        check_slot_mapping(slot_mapping, num_blocks, block_size)
     block, offset = slots_to_indices(slot_mapping, num_blocks, block_size)
     # cache[block, :, offset, :] has shape [num_tokens, num_kv_heads, head_dim] (the
     # advanced indices are split by a slice, so their axis comes first), matching k.
@@ -237,16 +250,20 @@ def write_kv(
     return k_cache, v_cache
 
 
-@jax.jit
+@partial(jax.jit, static_argnames=("validate",))
 def copy_blocks(
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     src_block_ids,  # i32[num_copies]
     dst_block_ids,  # i32[num_copies]; -1 = padding, dropped
+    *,
+    validate: bool = False,
 ):  # -> (k_cache, v_cache)
     """cache[dst[i]] = cache[src[i]] for every i (destinations distinct, sources unchanged)."""
     validate_copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
     num_blocks = k_cache.shape[0]
+    if validate:
+        check_copy_pairs(src_block_ids, dst_block_ids, num_blocks)
     dst = jnp.where(dst_block_ids < 0, num_blocks, dst_block_ids)
     src = jnp.clip(src_block_ids, 0, num_blocks - 1)
     k_cache = k_cache.at[dst].set(k_cache[src], mode="drop")

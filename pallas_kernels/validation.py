@@ -6,6 +6,7 @@ free under jit. Errors are ValueErrors naming the argument and what was expected
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -128,3 +129,198 @@ def validate_copy_blocks(
     _expect("src_block_ids", src_block_ids, (None,), "[num_copies]", (jnp.dtype(jnp.int32),))
     n = src_block_ids.shape[0]
     _expect("dst_block_ids", dst_block_ids, (n,), f"[{n}] (num_copies)", (jnp.dtype(jnp.int32),))
+
+
+# --------------------------------------------------------------------------------------
+# Value checks (validate=True): run on device under jax.experimental.checkify.
+#
+# Triton does no bounds checking: an out-of-range block id or slot is an illegal address
+# (or a silent write into another block) on a GPU, while interpret mode and the XLA
+# references clamp or drop it and so hide the bug on CPU. With validate=True each kernel
+# and reference checks the ids it will dereference against the pool first. The checks
+# are checkify.check calls, so the caller must functionalize them: wrap the function (or
+# the jitted step that calls it) in checkify.checkify and call .throw() on the error, or
+# use pallas_kernels.checked(fn), which does both. Without that wrapper, tracing fails
+# loudly ("Cannot abstractly evaluate a checkify.check which was not functionalized")
+# rather than skipping the checks.
+
+
+def _first_bad(bad):  # bool[...] -> (any bad, flat index of the first bad entry)
+    flat = bad.reshape(-1)
+    return jnp.any(flat), jnp.argmax(flat).astype(jnp.int32)
+
+
+def check_block_tables(block_tables: Any, num_blocks: int) -> None:
+    """Every entry of block_tables i32[S, W] is a block id in [0, num_blocks)."""
+    from jax.experimental import checkify
+
+    width = block_tables.shape[1]
+    any_bad, i = _first_bad((block_tables < 0) | (block_tables >= num_blocks))
+    checkify.check(
+        ~any_bad,
+        f"block_tables[{{row}}, {{col}}] = {{value}} is not a block id in [0, {num_blocks}) "
+        "(the KV pool's num_blocks)",
+        row=i // width,
+        col=i % width,
+        value=block_tables.reshape(-1)[i],
+    )
+
+
+def check_seq_lens(
+    seq_lens: Any, max_blocks_per_seq: int, block_size: int, query_start_loc: Any = None
+) -> None:
+    """0 <= seq_lens <= the block table's capacity; with query_start_loc, the new tokens
+    fit in their context (0 <= q_len <= seq_len) and query_start_loc starts at 0."""
+    from jax.experimental import checkify
+
+    cap = max_blocks_per_seq * block_size
+    any_bad, i = _first_bad((seq_lens < 0) | (seq_lens > cap))
+    checkify.check(
+        ~any_bad,
+        f"seq_lens[{{i}}] = {{value}} must be in [0, {cap}] (max_blocks_per_seq * block_size)",
+        i=i,
+        value=seq_lens[i],
+    )
+    if query_start_loc is None:
+        return
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    any_bad, i = _first_bad((q_lens < 0) | (q_lens > seq_lens))
+    checkify.check(
+        ~any_bad,
+        "sequence {i} has q_len = query_start_loc[i+1] - query_start_loc[i] = {q_len}, "
+        "which must be in [0, seq_lens[i] = {seq_len}]",
+        i=i,
+        q_len=q_lens[i],
+        seq_len=seq_lens[i],
+    )
+    checkify.check(
+        query_start_loc[0] == 0, "query_start_loc[0] = {v} must be 0", v=query_start_loc[0]
+    )
+
+
+def check_num_tokens(query_start_loc: Any, num_tokens: int) -> None:
+    """The new tokens of all sequences fit in the q rows: query_start_loc[-1] <= num_tokens."""
+    from jax.experimental import checkify
+
+    checkify.check(
+        query_start_loc[-1] <= num_tokens,
+        f"query_start_loc[-1] = {{v}} must be <= num_tokens = {num_tokens} (rows of q)",
+        v=query_start_loc[-1],
+    )
+
+
+def check_slot_mapping(slot_mapping: Any, num_blocks: int, block_size: int) -> None:
+    """Each slot is -1 (dropped) or in [0, num_blocks * block_size); real slots distinct."""
+    from jax.experimental import checkify
+
+    num_slots = num_blocks * block_size
+    any_bad, i = _first_bad((slot_mapping < -1) | (slot_mapping >= num_slots))
+    checkify.check(
+        ~any_bad,
+        f"slot_mapping[{{i}}] = {{value}} must be -1 (padding) or a slot in [0, {num_slots}) "
+        f"(num_blocks * block_size = {num_blocks} * {block_size})",
+        i=i,
+        value=slot_mapping[i],
+    )
+    if slot_mapping.shape[0] > 1:
+        s = jnp.sort(slot_mapping)
+        any_dup, j = _first_bad((s[1:] == s[:-1]) & (s[1:] >= 0))
+        checkify.check(
+            ~any_dup,
+            "slot_mapping writes slot {slot} twice (real slots must be distinct)",
+            slot=s[j + 1],
+        )
+
+
+def check_copy_pairs(src_block_ids: Any, dst_block_ids: Any, num_blocks: int) -> None:
+    """src in [0, num_blocks); dst -1 (skipped) or in [0, num_blocks); real destinations
+    distinct and never also a source of the same call (copies run in any order)."""
+    from jax.experimental import checkify
+
+    any_bad, i = _first_bad((src_block_ids < 0) | (src_block_ids >= num_blocks))
+    checkify.check(
+        ~any_bad,
+        f"src_block_ids[{{i}}] = {{value}} is not a block id in [0, {num_blocks})",
+        i=i,
+        value=src_block_ids[i],
+    )
+    any_bad, i = _first_bad((dst_block_ids < -1) | (dst_block_ids >= num_blocks))
+    checkify.check(
+        ~any_bad,
+        f"dst_block_ids[{{i}}] = {{value}} must be -1 (padding) or a block id in [0, {num_blocks})",
+        i=i,
+        value=dst_block_ids[i],
+    )
+    n = dst_block_ids.shape[0]
+    if n > 1:
+        live = dst_block_ids >= 0
+        same = (dst_block_ids[:, None] == dst_block_ids[None, :]) & live[:, None]
+        same &= ~jnp.eye(n, dtype=bool)
+        any_dup, i = _first_bad(jnp.any(same, axis=1))
+        checkify.check(
+            ~any_dup,
+            "dst_block_ids[{i}] = {value} appears twice (destinations must be distinct)",
+            i=i,
+            value=dst_block_ids[i],
+        )
+        is_src = jnp.any(dst_block_ids[:, None] == src_block_ids[None, :], axis=1) & live
+        any_bad, i = _first_bad(is_src)
+        checkify.check(
+            ~any_bad,
+            "dst_block_ids[{i}] = {value} is also a source of this copy (copies run in any order)",
+            i=i,
+            value=dst_block_ids[i],
+        )
+
+
+def check_decode_rows(query_start_loc: Any) -> None:
+    """A decode-only step: every sequence has at most one new token, row i = sequence i
+    (query_start_loc = [0, 1, ..., n, n, ..., n])."""
+    from jax.experimental import checkify
+
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    n = query_start_loc[-1]
+    expected = (jnp.arange(q_lens.shape[0]) < n).astype(q_lens.dtype)
+    any_bad, i = _first_bad(q_lens != expected)
+    checkify.check(
+        ~any_bad,
+        "decode_only step, but sequence {i} has {q_len} new tokens (row i must be "
+        "sequence i's single new token)",
+        i=i,
+        q_len=q_lens[i],
+    )
+
+
+def check_attention_values(
+    k_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any = None,
+    num_tokens: int | None = None,
+) -> None:
+    """The value checks every attention kernel and reference runs under validate=True."""
+    num_blocks, _, block_size, _ = k_cache.shape
+    check_block_tables(block_tables, num_blocks)
+    check_seq_lens(seq_lens, block_tables.shape[1], block_size, query_start_loc)
+    if query_start_loc is not None and num_tokens is not None:
+        check_num_tokens(query_start_loc, num_tokens)
+
+
+def checked(fn):
+    """``fn`` with its validate=True checks functionalized: raises
+    ``jax.experimental.checkify.JaxRuntimeError`` naming the first failed check.
+
+    Example: ``checked(partial(pk.paged_attention, scale=s, validate=True))(q, ...)``.
+    Syncs with the device after each call (a debug path).
+    """
+    from jax.experimental import checkify
+
+    wrapped = checkify.checkify(fn)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        err, out = wrapped(*args, **kwargs)
+        err.throw()
+        return out
+
+    return run

@@ -5,7 +5,8 @@
         ref = hf_logits(path, input_ids)                            # f32[B, L, V] numpy
 
 transformers/torch are imported inside the fixtures only, so test modules that do not use
-them never pay for the import.
+them never pay for the import; where they are not installed (the Python 3.12 newest-jax
+venv of scripts/test_newest_jax.sh), every test using these fixtures skips with a reason.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ _TINY_CONFIGS["gemma3_text"] = dict(
 )
 
 
+def _require_torch_and_transformers() -> None:
+    for name in ("torch", "transformers"):
+        pytest.importorskip(name, reason=f"needs {name} (not installed in the torch-free venv)")
+
+
 def _config_class(family: str):
     import transformers
 
@@ -148,6 +154,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
     cache: dict[str, pathlib.Path] = {}
 
     def make(family: str, **kwargs: Any) -> pathlib.Path:
+        _require_torch_and_transformers()
         key = json.dumps([family, kwargs], sort_keys=True)
         if key not in cache:
             directory = tmp_path_factory.mktemp(f"hf_{family}")
@@ -166,6 +173,7 @@ def hf_logits():
     models: dict[tuple[str, str], Any] = {}
 
     def run(path: pathlib.Path, input_ids: np.ndarray, dtype: str = "float32") -> np.ndarray:
+        _require_torch_and_transformers()
         import torch
         import transformers
 
@@ -190,6 +198,7 @@ def hf_greedy():
     models: dict[str, Any] = {}
 
     def run(path: pathlib.Path, prompt: list[int], max_new: int) -> list[int]:
+        _require_torch_and_transformers()
         import torch
         import transformers
 

@@ -65,7 +65,9 @@ class SumModel(nnx.Module):
     def forward_paged(
         self, token_ids, positions, kv_caches, attn_metadata, *, attention_backend=None
     ):
-        ops = pallas_kernels.get_attention_ops(attention_backend or self.attention_backend)
+        ops = pallas_kernels.get_attention_ops(
+            attention_backend or self.attention_backend, validate=attn_metadata.validate
+        )
         num_tokens = token_ids.shape[0]
         vocab = self.config.vocab_size
         v = jnp.zeros((num_tokens, 1, HEAD_DIM), jnp.float32)
@@ -76,13 +78,15 @@ class SumModel(nnx.Module):
         out = None
         for k_cache, v_cache in kv_caches:
             k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
-            out = ops.ragged_paged_attention(
+            out = pallas_kernels.step_attention(
+                ops,
                 q,
                 k_cache,
                 v_cache,
                 attn_metadata.block_tables,
                 attn_metadata.seq_lens,
                 attn_metadata.query_start_loc,
+                decode_only=attn_metadata.decode_only,
                 scale=1.0,
             )  # f32[T, 1, HEAD_DIM]: mean id of the visible context, and 1.0
             new_caches.append((k_cache, v_cache))

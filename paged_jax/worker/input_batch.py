@@ -65,11 +65,23 @@ class StepInput:
     frequency_penalty: np.ndarray | None = None  # f32[S]; 0 = off
     repetition_penalty: np.ndarray | None = None  # f32[S]; 1 = off
     history_token_ids: np.ndarray | None = None  # i32[S, max_model_len]; prompt + output
+    # Every scheduled sequence has exactly one new token (row i = sequence i): the step
+    # may take the decode kernel. Static for the jitted step: its own compile per bucket.
+    decode_only: bool = False
 
     @property
     def bucket(self) -> tuple[int, int]:
         """The (num_tokens, num_seqs) bucket of this step."""
         return int(self.token_ids.shape[0]), int(self.seq_lens.shape[0])
+
+
+def decode_step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
+    """The (num_tokens, num_seqs) buckets a decode-only step can land in (n tokens, n seqs)."""
+    shapes = {
+        (bucket_for(n, config.token_buckets), bucket_for(n, config.seq_buckets))
+        for n in range(1, config.max_num_seqs + 1)
+    }
+    return sorted(shapes)
 
 
 class InputBatch:
@@ -283,9 +295,12 @@ class InputBatch:
             extra_slot_mappings=tuple(slot_mappings[1:]),
             extra_block_tables=tuple(block_tables[1:]),
             **penalties,
+            decode_only=bool((num_new == 1).all()),
         )
 
-    def dummy_step_input(self, num_tokens: int, num_seqs: int) -> StepInput:
+    def dummy_step_input(
+        self, num_tokens: int, num_seqs: int, decode_only: bool = False
+    ) -> StepInput:
         """An all-padding StepInput of one bucket (for warmup): writes and reads nothing."""
         s, t, w = num_seqs, num_tokens, self.block_tables.shape[1]
         k = self.stop_ids.shape[1]
@@ -310,4 +325,5 @@ class InputBatch:
             num_seqs=0,
             extra_slot_mappings=tuple(np.full(t, PAD_SLOT_ID, np.int32) for _ in self.windows[1:]),
             extra_block_tables=tuple(np.zeros((s, w), np.int32) for _ in self.windows[1:]),
+            decode_only=decode_only,
         )

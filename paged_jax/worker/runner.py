@@ -1,10 +1,12 @@
 """Runner: owns the model's weights and the paged KV caches on device; runs one jitted step.
 
 The step is one jitted function of (weights, kv_caches, StepInput arrays): the model's
-paged forward (write_kv, then ragged paged attention, per layer) and the sampler. The
-KV caches are donated so XLA updates them in place. Every input has a bucketed shape,
-so `warmup()` compiles every bucket once and serving never compiles again; a global
-listener on jax's compile events keeps an honest count.
+paged forward (write_kv, then paged attention, per layer: the decode kernel on
+decode-only steps, else ragged) and the sampler. The KV caches are donated so XLA
+updates them in place. Every input has a bucketed shape, so `warmup()` compiles every
+bucket (and every decode-only bucket) once and serving never compiles again; a global
+listener on jax's compile events keeps an honest count. With `EngineConfig.validate`
+the step is checkified: a bad block id or slot raises instead of corrupting the cache.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import checkify
 
 from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
-from paged_jax.worker.input_batch import StepInput
+from paged_jax.worker.input_batch import StepInput, decode_step_shapes
 from paged_jax.worker.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -174,6 +177,8 @@ class Runner:
             out = sample(gather(logits), samp_meta)
             return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
 
+        if config.validate:  # the kernels' checkify.checks become an error output
+            step_fn = checkify.checkify(step_fn)
         # Last sampled id per input-batch row: the device half of async scheduling.
         self.row_tokens = init_row_tokens(config.max_num_seqs)
         tp_out = {}
@@ -181,9 +186,13 @@ class Runner:
             # Donated caches come back with their input sharding (jax#25346); row tokens
             # live replicated from the start, so the first step sees the same shardings.
             rep = self.tp.replicated
-            tp_out = dict(out_shardings=(rep, self.tp.kv_sharding, rep))
+            shardings = (rep, self.tp.kv_sharding, rep)
+            if config.validate:  # checkify's (error, outputs): the error is replicated
+                shardings = (rep, shardings)
+            tp_out = dict(out_shardings=shardings)
             self.row_tokens = jax.device_put(self.row_tokens, rep)
         self._step = jax.jit(step_fn, donate_argnums=(1, 2), **tp_out)
+        self.num_decode_only_steps = 0  # real steps that took the decode kernel path
         width = config.max_blocks_per_seq
         self._swap_width = width
 
@@ -222,6 +231,8 @@ class Runner:
             logits_indices=step.logits_indices,
             extra_slot_mappings=step.extra_slot_mappings,
             extra_block_tables=step.extra_block_tables,
+            decode_only=step.decode_only,
+            validate=self.config.validate,
         )
         samp = SamplingMetadata(
             temperature=step.temperature,
@@ -234,7 +245,7 @@ class Runner:
             **self._penalty_fields(step),
         )
         feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
-        out, self.kv_caches, self.row_tokens = self._step(
+        result = self._step(
             self.weights,
             self.kv_caches,
             self.row_tokens,
@@ -244,6 +255,11 @@ class Runner:
             attn,
             samp,
         )
+        err, result = result if self.config.validate else (None, result)
+        out, self.kv_caches, self.row_tokens = result
+        if err is not None:
+            err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
+        self.num_decode_only_steps += step.decode_only and step.num_seqs > 0
         return PendingStep(out, step.num_seqs)
 
     def _penalty_fields(self, step: StepInput) -> dict[str, Any]:
@@ -270,15 +286,21 @@ class Runner:
         )
 
     def warmup(self, steps: list[StepInput], on_step: Any = None) -> None:
-        """Compiles the step for every bucket (all-padding inputs change no KV) and the swaps.
+        """Compiles the step for every bucket (all-padding inputs change no KV), the
+        decode-only variant of every bucket a decode-only step can land in, and the swaps.
 
         on_step: optional callable(i, num_steps, (num_tokens, num_seqs)) called before each.
         """
+        decode_shapes = set(decode_step_shapes(self.config))
         for i, step in enumerate(steps):
             if on_step is not None:
                 on_step(i, len(steps), step.bucket)
-            result = self.execute(step)
-            assert result.token_ids.shape == (0,), "a padding-only step produced samples"
+            variants = [step]
+            if step.bucket in decode_shapes and not step.decode_only:
+                variants.append(dataclasses.replace(step, decode_only=True))
+            for variant in variants:
+                result = self.execute(variant)
+                assert result.token_ids.shape == (0,), "a padding-only step produced samples"
         if self.config.preemption_mode == "swap":
             ids = np.zeros(self._swap_width, np.int32)
             # Host copies, as swap_in passes them: the same input shardings, no recompile.

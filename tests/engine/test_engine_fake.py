@@ -27,6 +27,7 @@ def make_engine(eos=(), max_len=128, **kwargs) -> Engine:
         max_num_seqs=8,
         max_num_batched_tokens=32,
         attention_backend="reference",
+        validate=True,  # range-check block ids and slots on device in every step
     )
     base.update(kwargs)
     return Engine(model, EngineConfig(**base))

@@ -35,7 +35,10 @@ def expected(llama_dir, prompts, hf_greedy):
 
 def run_engine(path, prompts, attention_backend="reference", waves=1, **kwargs) -> list[list[int]]:
     model = load_model(path, attention_backend=attention_backend)
-    cfg = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+    # validate: every step range-checks block ids and slots on device (debug path).
+    cfg = dict(
+        block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128, validate=True
+    )
     cfg.update(kwargs)
     engine = Engine(model, EngineConfig(attention_backend=attention_backend, **cfg))
     outs = {}
@@ -99,5 +102,10 @@ def test_pallas_kernels_in_interpret_mode_match(llama_dir, prompts, expected):
 def test_pallas_kernels_on_gpu_match(llama_dir, prompts, expected):
     if jax.default_backend() != "gpu":
         pytest.skip("needs an NVIDIA GPU (compiles the Pallas kernels with Triton)")
-    got = run_engine(llama_dir, prompts, attention_backend="pallas", num_kv_blocks=20)
+    # Exact greedy parity with CPU f32 transformers needs true f32 matmuls: the model's
+    # f32 path already asks for HIGHEST (models/layers.py matmul_precision) and the
+    # kernels' f32 dots are IEEE; the context makes any other XLA dot HIGHEST too
+    # (the GPU default for f32 is TF32).
+    with jax.default_matmul_precision("highest"):
+        got = run_engine(llama_dir, prompts, attention_backend="pallas", num_kv_blocks=20)
     assert got == expected

@@ -1,32 +1,95 @@
-"""Cross-lower every kernel for CUDA on the CPU machine: proves the Triton lowering rules
-accept each kernel (shapes, indexing, loops, masks) without a GPU. Compiling the Triton IR
-to PTX still needs a GPU (see test_gpu_kernels.py)."""
+"""Cross-lower every kernel, and the whole jitted engine step, for CUDA on the CPU machine.
+
+Proves the Triton lowering rules accept each kernel (shapes, indexing, loops, masks)
+without a GPU, on every supported jax (0.10.2 .. 0.12). From jax 0.11 the Triton lowering
+needs a target device; `h200_target()` supplies an abstract H200 (an AbstractMesh with an
+AbstractDevice), which older releases accept too. Compiling the Triton IR to PTX still
+needs a GPU (see test_gpu_kernels.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 from jax import export
 
 import pallas_kernels as pk
+from paged_jax.config import EngineConfig
+from paged_jax.models import LlamaForCausalLM, ModelConfig
+from paged_jax.worker.input_batch import InputBatch
+from paged_jax.worker.runner import Runner
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+KERNEL_NAMES = (
+    "paged_decode_attention",
+    "ragged_paged_attention",
+    "paged_write_kv",
+    "paged_copy_blocks",
+)
 
 
-def _lower_for_cuda(fn, *shapes) -> str:
-    exported = export.export(
-        jax.jit(fn),
-        platforms=("cuda",),
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*shapes)
+def h200_target():
+    """A context in which Pallas lowers for an (abstract) H200: 132 SMs, sm_90."""
+    if not hasattr(jax.sharding, "AbstractDevice"):  # pragma: no cover - older jax
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+    """StableHLO text of `fn` exported for CUDA (Triton custom calls allowed)."""
+    with h200_target():
+        exported = export.export(
+            fn if hasattr(fn, "lower") else jax.jit(fn),
+            platforms=("cuda",),
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*shapes)
     return exported.mlir_module()
+
+
+def kernel_calls(text: str) -> dict[str, int]:
+    """How many Triton custom calls of each of our kernels (by pallas_call name) one call
+    of the exported main makes, following the module's call graph (a nested jit is a
+    private function that may be called once per layer)."""
+    direct: dict[str, dict[str, int]] = {}
+    calls: dict[str, list[str]] = {}
+    func = None
+    for line in text.splitlines():
+        m = re.search(r"func\.func (?:public |private )?@([\w.$-]+)\(", line)
+        if m:
+            func = m.group(1)
+            direct[func], calls[func] = dict.fromkeys(KERNEL_NAMES, 0), []
+        elif func is not None and TRITON_CALL in line:
+            names = [n for n in KERNEL_NAMES if f'"{n}"' in line]
+            assert len(names) == 1, f"a Triton call that is none of our kernels: {line[:200]}"
+            direct[func][names[0]] += 1
+        elif func is not None:
+            calls[func] += re.findall(r"\bcall @([\w.$-]+)\(", line)
+
+    def total(f: str) -> dict[str, int]:
+        out = dict(direct[f])
+        for callee in calls[f]:
+            for name, n in total(callee).items():
+                out[name] += n
+        return out
+
+    return total("main")
 
 
 def _spec(shape, dtype=jnp.int32):
     return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _only(name: str, count: int = 1) -> dict[str, int]:
+    return {k: (count if k == name else 0) for k in KERNEL_NAMES}
 
 
 @pytest.mark.parametrize(
@@ -36,30 +99,126 @@ def _spec(shape, dtype=jnp.int32):
         pytest.param(
             "decode", 8, 4, 1, dict(sliding_window=64, soft_cap=30.0), id="decode-mha-win-cap"
         ),
+        pytest.param("decode", 16, 2, 8, dict(num_splits=4), id="decode-gqa8-split4"),
         pytest.param("ragged", 16, 8, 4, {}, id="ragged-gqa4-bs16"),
         pytest.param(
             "ragged", 32, 2, 8, dict(sliding_window=100, num_splits=2), id="ragged-gqa8-win-split"
         ),
     ],
 )
-def test_attention_lowers_to_triton(kind, block_size, kv_heads, group, kw):
+def test_attention_lowers_to_one_triton_call(kind, block_size, kv_heads, group, kw):
     head_dim, rows, num_seqs = 128, 40, 4
     cache = _spec((64, kv_heads, block_size, head_dim), jnp.bfloat16)
     tables, lens = _spec((num_seqs, 8)), _spec((num_seqs,))
     if kind == "decode":
         q = _spec((num_seqs, kv_heads * group, head_dim), jnp.bfloat16)
         fn = functools.partial(pk.paged_attention, scale=0.1, **kw)
-        text = _lower_for_cuda(fn, q, cache, cache, tables, lens)
+        text = lower_for_cuda(fn, q, cache, cache, tables, lens)
+        assert kernel_calls(text) == _only("paged_decode_attention")
     else:
         q = _spec((rows, kv_heads * group, head_dim), jnp.bfloat16)
         fn = functools.partial(pk.ragged_paged_attention, scale=0.1, **kw)
-        text = _lower_for_cuda(fn, q, cache, cache, tables, lens, _spec((num_seqs + 1,)))
-    assert TRITON_CALL in text
+        text = lower_for_cuda(fn, q, cache, cache, tables, lens, _spec((num_seqs + 1,)))
+        assert kernel_calls(text) == _only("ragged_paged_attention")
 
 
-def test_kv_ops_lower_to_triton():
+def test_f32_attention_lowers():
+    cache = _spec((16, 2, 16, 64), jnp.float32)
+    q = _spec((4, 8, 64), jnp.float32)
+    fn = functools.partial(pk.paged_attention, scale=0.1)
+    text = lower_for_cuda(fn, q, cache, cache, _spec((4, 4)), _spec((4,)))
+    assert kernel_calls(text) == _only("paged_decode_attention")
+
+
+def test_kv_ops_lower_to_one_triton_call_each():
     cache = _spec((64, 8, 16, 128), jnp.bfloat16)
     new = _spec((40, 8, 128), jnp.bfloat16)
-    assert TRITON_CALL in _lower_for_cuda(pk.write_kv, cache, cache, new, new, _spec((40,)))
+    text = lower_for_cuda(pk.write_kv, cache, cache, new, new, _spec((40,)))
+    assert kernel_calls(text) == _only("paged_write_kv")
     ids = _spec((3,))
-    assert TRITON_CALL in _lower_for_cuda(pk.copy_blocks, cache, cache, ids, ids)
+    text = lower_for_cuda(pk.copy_blocks, cache, cache, ids, ids)
+    assert kernel_calls(text) == _only("paged_copy_blocks")
+
+
+# ------------------------------------------------------------------ whole engine step
+
+NUM_LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def pallas_runner():
+    """A tiny Llama (GQA 4/2, head_dim 64, 3 layers) on a Runner with the Pallas backend."""
+    config = ModelConfig(
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=256,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0), attention_backend="pallas")
+    engine_config = EngineConfig(
+        block_size=16,
+        num_kv_blocks=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        attention_backend="pallas",
+        dtype="bfloat16",
+    )
+    return Runner(model, engine_config), InputBatch(engine_config)
+
+
+def _lower_step(runner: Runner, step) -> str:
+    from paged_jax.models import AttentionMetadata
+    from paged_jax.worker.sampling import SamplingMetadata
+    from paged_jax.worker.token_feed import TokenFeed
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    attn = AttentionMetadata(
+        slot_mapping=step.slot_mapping,
+        block_tables=step.block_tables,
+        seq_lens=step.seq_lens,
+        query_start_loc=step.query_start_loc,
+        logits_indices=step.logits_indices,
+        decode_only=step.decode_only,
+    )
+    samp = SamplingMetadata(
+        temperature=step.temperature,
+        top_k=step.top_k,
+        top_p=step.top_p,
+        min_p=step.min_p,
+        seeds=step.seeds,
+        counters=step.counters,
+        masked_token_ids=step.masked_token_ids,
+    )
+    feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
+    args = (
+        runner.weights,
+        runner.kv_caches,
+        runner.row_tokens,
+        step.token_ids,
+        step.positions,
+        feed,
+        attn,
+        samp,
+    )
+    return lower_for_cuda(runner._step, *jax.tree.map(spec, args))
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
+def test_engine_step_lowers_for_cuda_with_kernel_calls_per_layer(pallas_runner, decode_only):
+    runner, batch = pallas_runner
+    text = _lower_step(runner, batch.dummy_step_input(16, 8, decode_only=decode_only))
+    attention = "paged_decode_attention" if decode_only else "ragged_paged_attention"
+    # Per layer: one KV write and one attention kernel; decode-only steps take the
+    # decode kernel (all q heads of a KV head in one tile) and never the ragged one.
+    expected = {name: 0 for name in KERNEL_NAMES}
+    expected.update({"paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS})
+    assert kernel_calls(text) == expected

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The torch-free tests (kernels, Triton cross-lowering, host side, engine on SumModel,
+# models without transformers) again under Python 3.12 and the newest jax the package
+# allows, in .venv312 (created if missing). Only a Python 3.11 CPU torch lies on these
+# machines and any other torch pulls a multi-GB CUDA build, so this venv gets the
+# package with its `test-base` extra only; tests that need torch/transformers skip
+# with a reason (pytest.importorskip in tests/conftest.py).
+# Skips, with a printed reason, where no python3.12 exists. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py312=""
+if command -v pyenv >/dev/null 2>&1; then
+  py312=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1 || true)
+fi
+if [ -z "$py312" ]; then
+  py312=$(command -v python3.12 || true)
+fi
+if [ -z "$py312" ]; then
+  echo "test_newest_jax: SKIPPED: no python3.12 on this machine (pyenv or PATH)"
+  exit 0
+fi
+if [ ! -x .venv312/bin/python ]; then
+  "$py312" -m venv .venv312
+fi
+# --upgrade-strategy eager: the newest jax/jaxlib/flax inside pyproject's bounds.
+.venv312/bin/python -m pip install --quiet --disable-pip-version-check \
+  --upgrade --upgrade-strategy eager -e '.[test-base]'
+.venv312/bin/python -c 'import sys, jax, flax; print(f"test_newest_jax: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
+exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
+  tests/pallas_kernels tests/core tests/worker tests/engine tests/models tests/llm "$@"
