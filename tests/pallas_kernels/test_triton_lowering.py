@@ -197,6 +197,7 @@ def _lower_step(runner: Runner, step) -> str:
         seeds=step.seeds,
         counters=step.counters,
         masked_token_ids=step.masked_token_ids,
+        **runner._penalty_fields(step),
     )
     feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
     args = (
