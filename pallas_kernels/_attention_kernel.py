@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import SQUEEZED, masked_load, masked_store, triton_params
+from pallas_kernels.quantization import is_fp8
 
 NEG = -1e30  # finite "minus infinity": exp(NEG - NEG) = 1 stays finite, unlike inf - inf
 # Full f32 precision for f32 dots (IEEE, not TF32); bf16/f16 dots are unaffected.
@@ -53,6 +54,7 @@ def _kernel(
     q_ref,  # f[rows, heads_per_kv, head_dim] (this KV head)
     k_ref,  # f[num_blocks, block_size, head_dim] (this KV head)
     v_ref,  # f[num_blocks, block_size, head_dim] (this KV head)
+    scales_ref,  # f32[2]: k_scale, v_scale (fp8 caches: dequantized on read)
     o_ref,  # f[rows, heads_per_kv, head_dim] (this KV head, this split)
     lse_ref,  # f32[rows, heads_per_kv] (this KV head, this split)
     *,
@@ -94,6 +96,7 @@ def _kernel(
     my_hi = cb_lo + jnp.minimum((split + 1) * per_split, num_cb)
 
     q = q_ref[pl.ds(row0, block_q), :, :].reshape(m_rows, q_ref.shape[2])
+    fp8 = is_fp8(k_ref.dtype)  # fp8 tiles are cast to q's dtype (exact), scales applied after
     # Position of each of the M rows (row r is token r // heads of the block).
     row_pos = p_lo + jax.lax.broadcasted_iota(jnp.int32, (m_rows,), 0) // heads
 
@@ -117,6 +120,8 @@ def _kernel(
         )
         k = masked_load(k_ref.at[idx], mask=kv_mask, other=0)  # f[block_k, head_dim]
         v = masked_load(v_ref.at[idx], mask=kv_mask, other=0)
+        if fp8:
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jax.lax.dot_general(
             q,
             k,
@@ -125,6 +130,8 @@ def _kernel(
             preferred_element_type=jnp.float32,
         )  # f32[M, block_k]
         s = s * scale
+        if fp8:
+            s = s * scales_ref[0]
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         visible = key_ok[None, :] & (tok[None, :] <= row_pos[:, None])
@@ -152,6 +159,8 @@ def _kernel(
     m, denom, acc = jax.lax.fori_loop(my_lo, my_hi, step, init)
     has = denom > 0
     o = acc / jnp.where(has, denom, 1.0)[:, None]
+    if fp8:
+        o = o * scales_ref[1]
     lse = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), NEG)
 
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
@@ -175,6 +184,7 @@ def paged_flash_attention(
     query_start_loc,  # i32[num_seqs + 1]
     block_seq,  # i32[num_query_blocks]
     block_row,  # i32[num_query_blocks]
+    kv_scales,  # f32[2]: k_scale, v_scale (read by fp8 caches only)
     *,
     block_q: int,
     block_k: int,
@@ -224,6 +234,7 @@ def paged_flash_attention(
             pl.BlockSpec((rows, SQUEEZED, heads, head_dim), lambda g, h, s: (0, h, 0, 0)),
             kv_spec,
             kv_spec,
+            whole(kv_scales),
         ],
         out_specs=[
             pl.BlockSpec(
@@ -238,7 +249,7 @@ def paged_flash_attention(
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
-    )(block_seq, block_row, query_start_loc, seq_lens, block_tables, q, k_cache, v_cache)
+    )(block_seq, block_row, query_start_loc, seq_lens, block_tables, q, k_cache, v_cache, kv_scales)
 
 
 def combine_splits(

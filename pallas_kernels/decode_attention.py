@@ -23,6 +23,7 @@ from pallas_kernels._attention_kernel import (
     paged_flash_attention,
     ungroup_output,
 )
+from pallas_kernels.quantization import kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
 
@@ -50,6 +51,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -67,6 +70,7 @@ def paged_attention(
         scale: Softmax scale applied to q.k.
         sliding_window: Keys at positions > p - sliding_window are seen (HF convention).
         soft_cap: Scores become soft_cap * tanh(score / soft_cap).
+        k_scale, v_scale: Dequantization scales of an fp8 cache (runtime values).
         block_k: Keys per online-softmax step (power of two >= 16; need not be a
             multiple of block_size). None: 128 for 16-bit caches, 64 for f32.
         num_splits: Split-K factor; None picks one from the static shapes (each split
@@ -90,6 +94,8 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens)
@@ -114,6 +120,7 @@ def paged_attention(
         jnp.arange(num_seqs + 1, dtype=jnp.int32),  # one query row per sequence
         seq_ids,
         seq_ids,
+        kv_scales_array(k_scale, v_scale),
         block_q=1,
         block_k=block_k,
         num_splits=num_splits,

@@ -5,7 +5,8 @@ of one KV head and stores each to ``cache[slot // block_size, head, slot % block
 with a masked scatter (slot -1 = padding, not stored). The caches are aliased to the
 outputs (``input_output_aliases``), so the write is in place when the caller donates
 them (the engine's step jit does); without donation XLA first copies the cache. The
-XLA-scatter fallback is ``reference.write_kv`` (also in place under donation).
+XLA-scatter fallback is ``reference.write_kv`` (also in place under donation). An fp8
+cache is quantized in the kernel (divide by the f32 scale, saturate, cast; quantization.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._compat import SQUEEZED, masked_store, triton_params
+from pallas_kernels.quantization import kv_scales_array, quantize
 from pallas_kernels.validation import check_slot_mapping, validate_write_kv
 
 
@@ -27,6 +29,7 @@ def _write_kv_kernel(
     v_ref,  # f[block_t, head_dim]
     k_cache_in_ref,  # aliased to k_cache_ref; unused
     v_cache_in_ref,  # aliased to v_cache_ref; unused
+    scales_ref,  # f32[2]: k_scale, v_scale (used by fp8 caches only)
     k_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim] (whole cache)
     v_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     *,
@@ -44,8 +47,10 @@ def _write_kv_kernel(
     lane = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = jnp.broadcast_to(keep[:, None], shape)
     dst = (block, head, offset, lane)
-    masked_store(k_cache_ref.at[dst], k_ref[...].astype(k_cache_ref.dtype), mask=mask)
-    masked_store(v_cache_ref.at[dst], v_ref[...].astype(v_cache_ref.dtype), mask=mask)
+    k = quantize(k_ref[...], scales_ref[0], k_cache_ref.dtype)
+    v = quantize(v_ref[...], scales_ref[1], v_cache_ref.dtype)
+    masked_store(k_cache_ref.at[dst], k, mask=mask)
+    masked_store(v_cache_ref.at[dst], v, mask=mask)
 
 
 @partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret", "validate"))
@@ -56,6 +61,8 @@ def write_kv(
     v,  # f[num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; slot = block_id * block_size + offset; -1 dropped
     *,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     block_t: int = 16,
     num_warps: int = 1,
     interpret: bool = False,
@@ -64,12 +71,13 @@ def write_kv(
     """Writes each token's K/V at its slot; slots must be distinct (except -1).
 
     Args:
+        k_scale, v_scale: An fp8 cache stores saturate(k / k_scale); runtime values.
         block_t: Tokens per program (power of two).
         num_warps: Triton compiler param.
         interpret: Run the Pallas interpreter (CPU tests).
         validate: Check every slot against the pool on device (debug; needs checkify).
     """
-    validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    validate_write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     if validate:
         check_slot_mapping(slot_mapping, num_blocks, block_size)
@@ -93,6 +101,7 @@ def write_kv(
             row_spec,
             cache_spec,
             cache_spec,
+            pl.BlockSpec((2,), lambda t, h: (0,)),
         ],
         out_specs=[cache_spec, cache_spec],
         out_shape=[
@@ -103,4 +112,4 @@ def write_kv(
         compiler_params=triton_params(num_warps, 1),
         interpret=interpret,
         name="paged_write_kv",
-    )(slot_mapping, k, v, k_cache, v_cache)
+    )(slot_mapping, k, v, k_cache, v_cache, kv_scales_array(k_scale, v_scale))

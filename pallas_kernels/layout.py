@@ -25,6 +25,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantization import FP8_DTYPES
+
 KV_CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
 NULL_BLOCK_ID = 0
 
@@ -58,13 +60,16 @@ def init_kv_cache(
         block_size: Tokens per block.
         num_kv_heads: KV heads of one attention layer.
         head_dim: Size of one head.
-        dtype: Floating dtype of the cache (f32, bf16 or f16).
+        dtype: Cache dtype: f32, bf16, f16, or fp8 (e4m3fn / e5m2, quantized with
+            per-tensor scales: quantization.py).
 
     Returns:
         ``(k_cache, v_cache)``; callers allocate one pair per layer.
     """
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
     dtype = jnp.dtype(dtype)
-    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
-        raise ValueError(f"dtype={dtype} must be one of float32, bfloat16, float16")
+    if dtype not in (jnp.float32, jnp.bfloat16, jnp.float16, *FP8_DTYPES):
+        raise ValueError(
+            f"dtype={dtype} must be one of float32, bfloat16, float16, float8_e4m3fn, float8_e5m2"
+        )
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

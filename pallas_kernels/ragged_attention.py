@@ -28,6 +28,7 @@ from pallas_kernels._attention_kernel import (
     paged_flash_attention,
     ungroup_output,
 )
+from pallas_kernels.quantization import kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
 
@@ -74,6 +75,8 @@ def ragged_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     block_q: int = 16,
     block_k: int = 64,
     num_splits: int | None = None,
@@ -108,6 +111,8 @@ def ragged_paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
@@ -134,6 +139,7 @@ def ragged_paged_attention(
         query_start_loc,
         block_seq,
         block_row,
+        kv_scales_array(k_scale, v_scale),
         block_q=block_q,
         block_k=block_k,
         num_splits=num_splits,

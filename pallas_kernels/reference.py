@@ -12,6 +12,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantization import is_fp8, quantize
 from pallas_kernels.validation import (
     check_attention_values,
     check_copy_pairs,
@@ -38,8 +39,13 @@ def _attend_rows(
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    k_scale=None,  # f32 scalar or None: dequantization scale of an fp8 k_cache
+    v_scale=None,  # f32 scalar or None
 ):  # -> f32[n, num_q_heads, head_dim]
     """Masked attention of n query rows over their block tables, f32 accumulation.
+
+    An fp8 cache is dequantized on read (see quantization.py): the gathered tile is cast
+    to q's dtype (exact), scores are multiplied by k_scale, the output by v_scale.
 
     The context is gathered and attended in chunks of _KV_CHUNK_TOKENS keys, merged with
     a running max and sum (exactly the dense softmax up to rounding). Only the chunks
@@ -57,6 +63,7 @@ def _attend_rows(
     )
     chunk_tokens = blocks_per_chunk * block_size
     qg = q.reshape(n, num_kv_heads, group, head_dim)
+    fp8 = is_fp8(k_cache.dtype)
 
     def gather(cache, blocks):  # -> f[n, num_kv_heads, chunk_tokens, head_dim]
         pages = cache[blocks]  # f[n, blocks_per_chunk, num_kv_heads, block_size, head_dim]
@@ -71,10 +78,14 @@ def _attend_rows(
         if sliding_window is not None:
             visible &= key_pos[None, :] > positions[:, None] - sliding_window
         k = gather(k_cache, blocks)
+        if fp8:
+            k = k.astype(q.dtype)
         # Zero V outside the visible range: a masked probability of 0 times a NaN/inf in
         # an unused slot (or the null block) would otherwise still poison the output.
         v = jnp.where(visible[:, None, :, None], gather(v_cache, blocks), 0)
         s = jnp.einsum("nhgd,nhkd->nhgk", qg, k, preferred_element_type=jnp.float32) * scale
+        if fp8 and k_scale is not None:
+            s = s * k_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = visible[:, None, None, :]
@@ -101,6 +112,8 @@ def _attend_rows(
     )
     _, denom, acc = jax.lax.fori_loop(first, last + 1, step, init)
     o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that see nothing give exactly 0
+    if fp8 and v_scale is not None:
+        o = o * v_scale
     return o.reshape(n, num_q_heads, head_dim)
 
 
@@ -115,6 +128,8 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     interpret: bool = False,
     validate: bool = False,
 ):  # -> f[num_seqs, num_q_heads, head_dim]
@@ -129,6 +144,8 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens)
@@ -141,6 +158,8 @@ def paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     return o.astype(q.dtype)
 
@@ -177,6 +196,8 @@ def ragged_paged_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     interpret: bool = False,
     validate: bool = False,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
@@ -192,6 +213,8 @@ def ragged_paged_attention(
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
@@ -215,6 +238,8 @@ def ragged_paged_attention(
             scale=scale,
             sliding_window=sliding_window,
             soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
     o = jax.lax.map(one_chunk, (q_p, seq_p, pos_p))
@@ -235,18 +260,25 @@ def write_kv(
     v,  # f[num_tokens, num_kv_heads, head_dim]
     slot_mapping,  # i32[num_tokens]; -1 = padding, dropped
     *,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
     validate: bool = False,
 ):  # -> (k_cache, v_cache)
-    """Scatters each token's K/V to its slot; in place when the caches are donated."""
-    validate_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    """Scatters each token's K/V to its slot; in place when the caches are donated.
+
+    An fp8 cache stores saturate(k / k_scale) and saturate(v / v_scale) (quantization.py).
+    """
+    validate_write_kv(k_cache, v_cache, k, v, slot_mapping, k_scale, v_scale)
     num_blocks, _, block_size, _ = k_cache.shape
     if validate:
         check_slot_mapping(slot_mapping, num_blocks, block_size)
     block, offset = slots_to_indices(slot_mapping, num_blocks, block_size)
     # cache[block, :, offset, :] has shape [num_tokens, num_kv_heads, head_dim] (the
     # advanced indices are split by a slice, so their axis comes first), matching k.
-    k_cache = k_cache.at[block, :, offset, :].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[block, :, offset, :].set(v.astype(v_cache.dtype), mode="drop")
+    k = quantize(k, 1.0 if k_scale is None else k_scale, k_cache.dtype)
+    v = quantize(v, 1.0 if v_scale is None else v_scale, v_cache.dtype)
+    k_cache = k_cache.at[block, :, offset, :].set(k, mode="drop")
+    v_cache = v_cache.at[block, :, offset, :].set(v, mode="drop")
     return k_cache, v_cache
 
 

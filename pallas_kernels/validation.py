@@ -11,7 +11,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from pallas_kernels.quantization import FP8_DTYPES, is_fp8
+
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
 def _shape(name: str, x: Any) -> tuple[int, ...]:
@@ -38,7 +41,7 @@ def validate_kv_cache(k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
         k_cache,
         (None, None, None, None),
         "[num_blocks, num_kv_heads, block_size, head_dim]",
-        FLOAT_DTYPES,
+        CACHE_DTYPES,
     )
     _expect("v_cache", v_cache, tuple(k_cache.shape), f"{tuple(k_cache.shape)} (same as k_cache)")
     if v_cache.dtype != k_cache.dtype:
@@ -46,6 +49,25 @@ def validate_kv_cache(k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
             f"v_cache must have dtype {k_cache.dtype} (as k_cache), got {v_cache.dtype}"
         )
     return tuple(k_cache.shape)
+
+
+def validate_kv_scales(k_cache: Any, k_scale: Any, v_scale: Any) -> None:
+    """Scales are None (1.0) or float scalars (traced is fine), and only for an fp8 cache."""
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is None:
+            continue
+        if not is_fp8(k_cache.dtype):
+            raise ValueError(
+                f"{name} must be None for a {k_cache.dtype} cache (scales apply to fp8 caches)"
+            )
+        # Under jit the wrappers see tracers: only shape and dtype can be checked here.
+        shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+        if isinstance(value, float):
+            continue
+        if shape != () or dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(
+                f"{name} must be a float scalar (shape ()), got shape {shape} dtype {dtype}"
+            )
 
 
 def validate_attention_inputs(
@@ -59,13 +81,19 @@ def validate_attention_inputs(
     scale: Any = 1.0,
     sliding_window: Any = None,
     soft_cap: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> None:
     """Validates decode (query_start_loc=None) or ragged attention inputs."""
     _, num_kv_heads, _, head_dim = validate_kv_cache(k_cache, v_cache)
     q_rows = "num_seqs" if query_start_loc is None else "num_tokens"
     _expect("q", q, (None, None, head_dim), f"[{q_rows}, num_q_heads, {head_dim}]")
-    if q.dtype != k_cache.dtype:
+    if is_fp8(k_cache.dtype):
+        if jnp.dtype(q.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"q must have a float dtype in {FLOAT_DTYPES}, got {q.dtype}")
+    elif q.dtype != k_cache.dtype:
         raise ValueError(f"q must have dtype {k_cache.dtype} (the cache dtype), got {q.dtype}")
+    validate_kv_scales(k_cache, k_scale, v_scale)
     num_q_heads = q.shape[1]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(
@@ -108,8 +136,17 @@ def validate_attention_inputs(
         raise ValueError(f"soft_cap={soft_cap!r} must be None or a positive Python float")
 
 
-def validate_write_kv(k_cache: Any, v_cache: Any, k: Any, v: Any, slot_mapping: Any) -> None:
+def validate_write_kv(
+    k_cache: Any,
+    v_cache: Any,
+    k: Any,
+    v: Any,
+    slot_mapping: Any,
+    k_scale: Any = None,
+    v_scale: Any = None,
+) -> None:
     _, num_kv_heads, _, head_dim = validate_kv_cache(k_cache, v_cache)
+    validate_kv_scales(k_cache, k_scale, v_scale)
     what = f"[num_tokens, {num_kv_heads}, {head_dim}] (num_tokens, num_kv_heads, head_dim)"
     _expect("k", k, (None, num_kv_heads, head_dim), what)
     _expect("v", v, tuple(k.shape), what)
