@@ -14,6 +14,7 @@ from paged_jax.models.config import ModelConfig, RopeConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from paged_jax.models.gpt2 import GPT2LMHeadModel
+from paged_jax.models.kv_scales import calibrate_kv_scales
 from paged_jax.models.llama import LlamaForCausalLM
 from paged_jax.models.loader import load_config, load_model
 from paged_jax.models.mistral import MistralForCausalLM
@@ -37,6 +38,7 @@ __all__ = [
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "RopeConfig",
+    "calibrate_kv_scales",
     "load_config",
     "load_model",
     "load_model_from_orbax",

@@ -213,6 +213,7 @@ class Attention(nnx.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         ops: Any,  # pallas_kernels.AttentionOps
+        kv_scale: jax.Array | None = None,  # f32[2] (k_scale, v_scale) of an fp8 cache
     ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
         """Writes this step's K/V into the paged cache, then paged attention (the decode
         kernel on decode-only steps, else ragged).
@@ -221,7 +222,10 @@ class Attention(nnx.Module):
         """
         attn_metadata = attn_metadata.for_group(self.kv_cache_group)
         q, k, v = self._qkv(x, positions)
-        k_cache, v_cache = ops.write_kv(kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping)
+        scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
+        k_cache, v_cache = ops.write_kv(
+            kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping, **scales
+        )
         out = pallas_kernels.step_attention(
             ops,
             q,
@@ -234,6 +238,7 @@ class Attention(nnx.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,
+            **scales,
         )  # f[num_tokens, num_heads, head_dim]
         out = self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
         return out, (k_cache, v_cache)

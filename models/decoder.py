@@ -82,10 +82,12 @@ class DecoderLayer(nnx.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         ops: Any,
+        kv_scale: jax.Array | None = None,  # f32[2]: this layer's fp8 (k_scale, v_scale)
     ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
         """Paged forward: attention reads and writes this layer's KV cache."""
         return self._apply(
-            x, lambda h: self.attn.forward_paged(h, positions, kv_cache, attn_metadata, ops)
+            x,
+            lambda h: self.attn.forward_paged(h, positions, kv_cache, attn_metadata, ops, kv_scale),
         )
 
 
@@ -239,6 +241,7 @@ class CausalLM(nnx.Module):
         attn_metadata: AttentionMetadata,
         *,
         attention_backend: str | None = None,
+        kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
     ) -> tuple[jax.Array, list[KVCache]]:  # f32[num_seqs, vocab], updated caches
         """One engine step over a flat, padded batch of new tokens and a paged KV cache.
 
@@ -249,6 +252,8 @@ class CausalLM(nnx.Module):
             kv_caches: per KV tensor (k_cache, v_cache) from `init_kv_caches`; donate them.
             attn_metadata: slot mapping, block tables, lengths and logits rows.
             attention_backend: overrides `self.attention_backend`; must be static.
+            kv_scales: per layer (k_scale, v_scale) of fp8 caches, a traced array (new
+                values do not recompile); None = 1.0 (pallas_kernels/quantization.py).
 
         Returns:
             Logits at attn_metadata.logits_indices and the updated caches.
@@ -261,8 +266,13 @@ class CausalLM(nnx.Module):
         )
         x = self._embed(token_ids, positions)
         new_caches = list(kv_caches)
-        for layer, t in zip(self.layers, layout.tensor_of_layer):
-            x, new_caches[t] = layer.forward_paged(x, positions, new_caches[t], attn_metadata, ops)
+        for i, (layer, t) in enumerate(zip(self.layers, layout.tensor_of_layer)):
+            # Layers of different groups may share a tensor (in distinct blocks); the
+            # fp8 scales stay per layer.
+            kv_scale = None if kv_scales is None else kv_scales[i]
+            x, new_caches[t] = layer.forward_paged(
+                x, positions, new_caches[t], attn_metadata, ops, kv_scale
+            )
         return self._logits(x[attn_metadata.logits_indices]), new_caches
 
     # -- KV cache -----------------------------------------------------------------------

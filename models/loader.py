@@ -26,6 +26,7 @@ from paged_jax.models.partitioning import (
     tensor_parallel_config,
     tensor_parallel_weight_rules,
 )
+from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule
@@ -72,7 +73,7 @@ def _canonical_names(
     A checkpoint saved from the base model (LlamaModel, GPT2Model, OPTModel) lacks the
     *ForCausalLM prefix; it gets it here. Buffers and a tied duplicate lm_head are ignored.
     """
-    ignored_patterns = list(cls.hf_ignored_keys)
+    ignored_patterns = [*cls.hf_ignored_keys, KV_SCALE_KEY.pattern]  # fp8 KV scales: not params
     if config.tie_word_embeddings:
         ignored_patterns.append(r"^lm_head\.weight$")
     prefix = cls.hf_base_prefix
@@ -218,6 +219,7 @@ def load_model(
 
     Returns:
         The model; `model(input_ids)` is the dense forward, `model.config` its ModelConfig.
+        A checkpoint's fp8 k_scale/v_scale tensors become `model.kv_cache_scales`.
 
     Raises:
         FileNotFoundError: no config.json or no safetensors files.
@@ -241,6 +243,7 @@ def load_model(
             raise ValueError(f"{cls.__name__} declares no partition_rules: no tensor parallelism")
         rules = tensor_parallel_weight_rules(rules, cls.partition_rules, config, mesh.size)
         config = tensor_parallel_config(config, mesh.size)
+    kv_scales = read_kv_scales(checkpoint.shapes, checkpoint.read, config.num_hidden_layers)
     graphdef, state = abstract_model(cls, config, attention_backend)
     if mesh is not None:
         shardings, _ = param_shardings(cls.partition_rules, state, mesh)
@@ -253,10 +256,13 @@ def load_model(
         return checkpoint.read(names[name])
 
     try:
-        return fill_params(graphdef, state, rules, read, dtype, place)
+        model = fill_params(graphdef, state, rules, read, dtype, place)
     except ValueError as err:
         if "weights file" in str(err):
             raise
         key = re.search(r"tensor '([^']+)'", str(err))
         file = checkpoint.file_of(names[key.group(1)]) if key and key.group(1) in names else path
         raise ValueError(f"{err} (weights file {file})") from err
+    if kv_scales is not None:  # used when the engine's kv_cache_dtype is fp8
+        model.kv_cache_scales = as_scale_pairs(kv_scales)
+    return model

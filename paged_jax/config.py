@@ -8,6 +8,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "pallas", "pallas_interpret", "reference")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# "auto" = the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 HASH_ALGOS = ("sha256", "xxhash")
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
@@ -52,6 +54,10 @@ class EngineConfig:
             "reference".
         dtype: weights and KV dtype: "auto" (bfloat16 on GPU, float32 elsewhere),
             "float32", "bfloat16" or "float16".
+        kv_cache_dtype: "auto" (the model dtype), "fp8_e4m3" (alias "fp8") or
+            "fp8_e5m2": an fp8 pool holds 2x the bf16 blocks (4x f32) in the same
+            kv_cache_memory; per-layer K/V scales come from the checkpoint's
+            k_scale/v_scale or are 1.0 (docs/fp8_kv_cache.md).
         seed: engine seed; requests without their own seed draw one from it.
         hash_algo: prefix-cache block hash, "sha256" or "xxhash".
         async_scheduling: keep one device step in flight: the host schedules and packs
@@ -76,6 +82,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     hash_algo: str = "sha256"
     async_scheduling: bool = True
@@ -128,6 +135,7 @@ class EngineConfig:
             ("scheduling_policy", SCHEDULING_POLICIES),
             ("attention_backend", ATTENTION_BACKENDS),
             ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("hash_algo", HASH_ALGOS),
         ):
             if getattr(self, name) not in allowed:

@@ -63,8 +63,10 @@ class LLM:
         chat_template: Jinja text overriding the checkpoint's chat template (LLM.chat).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
-            preemption_mode, scheduling_policy, attention_backend, dtype, seed, hash_algo,
-            tensor_parallel_size).
+            preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
+            seed, hash_algo, tensor_parallel_size). ``kv_cache_dtype="fp8_e4m3"`` (or
+            "fp8_e5m2") stores the KV cache in fp8 with the checkpoint's k_scale/v_scale,
+            else 1.0.
 
     Raises:
         ValueError: an unknown engine argument or a bad value (naming it).

@@ -86,6 +86,7 @@ class PagedModel(Protocol):
         attn_metadata: Any,  # paged_jax.models.AttentionMetadata
         *,
         attention_backend: str | None = None,
+        kv_scales: Any = None,  # f32[num_layers, 2]; passed only for fp8 caches
     ) -> tuple[Any, list[KVCache]]:
         """One engine step: write the new tokens' K/V by slot, attend through the pages.
 
@@ -98,6 +99,10 @@ class PagedModel(Protocol):
                 logits_indices i32[S].
             attention_backend: "reference" | "pallas" | "pallas_interpret" | None
                 (the model's default); static under jit.
+            kv_scales: per-layer (k_scale, v_scale) of an fp8 KV cache, handed to the
+                kernels' k_scale/v_scale; the engine passes it only when
+                EngineConfig.kv_cache_dtype is fp8, so a model without fp8 support may
+                omit the parameter.
 
         Returns:
             (logits f32[S, vocab_size] at logits_indices, updated caches).

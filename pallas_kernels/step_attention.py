@@ -31,6 +31,8 @@ def step_attention(
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
     """Ragged paged attention, through the decode kernel when ``decode_only``.
 
@@ -45,6 +47,8 @@ def step_attention(
         The same values as ``ops.ragged_paged_attention`` (rows past the real tokens 0).
     """
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if k_scale is not None or v_scale is not None:  # fp8 caches (others reject scales)
+        kw.update(k_scale=k_scale, v_scale=v_scale)
     if not decode_only:
         return ops.ragged_paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kw

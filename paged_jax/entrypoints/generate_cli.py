@@ -13,7 +13,13 @@ import sys
 import time
 from typing import Any
 
-from paged_jax.config import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, EngineConfig
+from paged_jax.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 from paged_jax.entrypoints.output_file import JsonlStream, check_writable, write_json_atomic
 from paged_jax.entrypoints.prompts_file import PromptLine, params_for, read_prompt_lines
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -138,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto = Pallas on GPU, reference elsewhere; pallas needs a GPU",
     )
     e.add_argument("--dtype", choices=DTYPES, default=c.dtype, help="auto = bf16 on GPU, else f32")
+    e.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=c.kv_cache_dtype,
+        help="auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory",
+    )
     e.add_argument("--engine-seed", type=int, default=c.seed, help="seed for unseeded requests")
     e.add_argument(
         "--tensor-parallel-size",
@@ -174,6 +186,7 @@ def _engine_args(args: argparse.Namespace) -> dict:
         preemption_mode=args.preemption_mode,
         attention_backend=args.attention_backend,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.engine_seed,
         async_scheduling=not args.no_async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -25,6 +25,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
 from paged_jax.worker.input_batch import StepInput, decode_step_shapes
+from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import (
     SamplerOutput,
     SamplingMetadata,
@@ -139,15 +140,26 @@ class Runner:
         _install_compile_listener()
         self.config = config
         tp = config.tensor_parallel_size
+        kv_dtype = kv_cache_jnp_dtype(config.kv_cache_dtype)  # None: the model's dtype
+        if kv_dtype is not None and tp > 1:
+            raise ValueError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} must be 'auto' with "
+                f"tensor_parallel_size={tp} (fp8 KV is single-device for now)"
+            )
         self.tp = TensorParallel(model, tp) if tp > 1 else None
         model = model if self.tp is None else self.tp.model
         # One device's share of a block: the pool is sized from per-device memory.
-        self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size)) // tp
+        self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size, kv_dtype)) // tp
         self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block)
         if self.tp is None:
-            self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size)
+            self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size, kv_dtype)
         else:
             self.kv_caches = self.tp.init_kv_caches(self.num_kv_blocks, config.block_size)
+        # fp8: per-layer (k_scale, v_scale), a step argument (new values never recompile).
+        num_layers = len(self.kv_caches)
+        self.kv_scales = (
+            None if kv_dtype is None else jax.numpy.asarray(initial_kv_scales(model, num_layers))
+        )
         self.attention_backend = config.attention_backend
         backend = self.attention_backend
         if self.tp is not None:  # the kernels run per shard, on each device's heads
@@ -166,12 +178,21 @@ class Runner:
                 return model
 
         def step_fn(
-            weights, kv_caches, row_tokens, token_ids, positions, feed, attn_meta, samp_meta
+            weights,
+            kv_caches,
+            kv_scales,
+            row_tokens,
+            token_ids,
+            positions,
+            feed,
+            attn_meta,
+            samp_meta,
         ):
             m = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
+            extra = {} if kv_scales is None else {"kv_scales": kv_scales}
             logits, kv_caches = m.forward_paged(
-                token_ids, positions, kv_caches, attn_meta, attention_backend=backend
+                token_ids, positions, kv_caches, attn_meta, attention_backend=backend, **extra
             )
             samp_meta = with_fed_last_token(samp_meta, token_ids, attn_meta.logits_indices)
             out = sample(gather(logits), samp_meta)
@@ -191,7 +212,7 @@ class Runner:
                 shardings = (rep, shardings)
             tp_out = dict(out_shardings=shardings)
             self.row_tokens = jax.device_put(self.row_tokens, rep)
-        self._step = jax.jit(step_fn, donate_argnums=(1, 2), **tp_out)
+        self._step = jax.jit(step_fn, donate_argnums=(1, 3), **tp_out)
         self.num_decode_only_steps = 0  # real steps that took the decode kernel path
         width = config.max_blocks_per_seq
         self._swap_width = width
@@ -248,6 +269,7 @@ class Runner:
         result = self._step(
             self.weights,
             self.kv_caches,
+            self.kv_scales,
             self.row_tokens,
             step.token_ids,
             step.positions,
@@ -261,6 +283,18 @@ class Runner:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
         self.num_decode_only_steps += step.decode_only and step.num_seqs > 0
         return PendingStep(out, step.num_seqs)
+
+    def set_kv_scales(self, scales: Any) -> None:
+        """Replaces the fp8 per-layer scales f32[num_layers, 2] (k, v); never recompiles.
+
+        Blocks already written keep the values quantized with the old scales, so set them
+        before serving (vLLM fixes its scales after loading or the first forward too).
+        """
+        if self.kv_scales is None:
+            raise ValueError(
+                f"kv_cache_dtype={self.config.kv_cache_dtype!r} has no scales (fp8 only)"
+            )
+        self.kv_scales = jax.numpy.asarray(check_kv_scales(scales, len(self.kv_caches)))
 
     def _penalty_fields(self, step: StepInput) -> dict[str, Any]:
         """The sampler's penalty inputs; without penalties, neutral values and a resident
