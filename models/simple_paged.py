@@ -8,6 +8,7 @@ the paged forward through `jit_forward_paged`, the split/merge + donation patter
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -78,18 +79,25 @@ def jit_forward_paged(
     """The engine's pattern: split once, jit a pure function that merges, donate the caches.
 
     Returns:
-        step(token_ids, positions, kv_caches, attn_metadata) -> (logits, kv_caches); the
-        kv_caches passed in are donated (invalid after the call).
+        step(token_ids, positions, kv_caches, attn_metadata, kv_scales=None) -> (logits,
+        kv_caches); the kv_caches passed in are donated (invalid after the call);
+        kv_scales f32[num_layers, 2] for fp8 caches is a traced argument.
     """
     graphdef, state = nnx.split(model)
 
-    def pure_step(state, token_ids, positions, kv_caches, attn_metadata):
+    def pure_step(state, token_ids, positions, kv_caches, attn_metadata, kv_scales):
+        extra = {} if kv_scales is None else {"kv_scales": kv_scales}
         return nnx.merge(graphdef, state).forward_paged(
-            token_ids, positions, kv_caches, attn_metadata, attention_backend=attention_backend
+            token_ids,
+            positions,
+            kv_caches,
+            attn_metadata,
+            attention_backend=attention_backend,
+            **extra,
         )
 
     jitted = jax.jit(pure_step, donate_argnums=(3,))
-    return lambda *args: jitted(state, *args)
+    return lambda *args, kv_scales=None: jitted(state, *args, kv_scales)
 
 
 def greedy_generate_paged(
@@ -101,11 +109,17 @@ def greedy_generate_paged(
     prefill_chunk: int | None = None,
     attention_backend: str | None = None,
     seed: int = 0,
+    kv_cache_dtype: Any = None,
+    kv_scales: np.ndarray | None = None,
+    forced_tokens: Sequence[Sequence[int]] | None = None,
 ) -> tuple[list[list[int]], list[np.ndarray]]:
     """Greedy continuation of every prompt: chunked prefill of all prompts, then decode.
 
     Blocks are handed out from a seeded permutation of ids 1..num_blocks-1, so tables are
-    not contiguous; block 0 stays the null block.
+    not contiguous; block 0 stays the null block. kv_cache_dtype (None: the model's) and
+    kv_scales f32[num_layers, 2] select an fp8 cache; forced_tokens (per prompt, at least
+    max_new_tokens ids) are fed instead of the argmax (teacher forcing), so the logits of
+    two caches can be compared along one token path.
 
     Returns:
         (generated token ids per prompt, per prompt f32[max_new_tokens, vocab] the logits
@@ -118,7 +132,9 @@ def greedy_generate_paged(
     tables = [[int(free.pop()) for _ in range(n)] for n in blocks_needed]
     width = max(blocks_needed)
     step = jit_forward_paged(model, attention_backend=attention_backend)
-    kv_caches = model.init_kv_caches(num_blocks, block_size)
+    kv_caches = model.init_kv_caches(num_blocks, block_size, kv_cache_dtype)
+    if kv_scales is not None:
+        kv_scales = jax.numpy.asarray(kv_scales, jax.numpy.float32)
     tokens = [list(p) for p in prompts]
     computed = [0] * len(prompts)
     logits_seen: list[list[np.ndarray]] = [[] for _ in prompts]
@@ -140,12 +156,14 @@ def greedy_generate_paged(
             num_tokens=num_tokens,
             max_blocks_per_seq=width,
         )
-        logits, kv_caches = step(step_ids, positions, kv_caches, metadata)
+        logits, kv_caches = step(step_ids, positions, kv_caches, metadata, kv_scales=kv_scales)
         logits = np.asarray(logits)
         for i, n in enumerate(new):
             computed[i] += n
             if computed[i] == len(tokens[i]) and len(tokens[i]) < lengths[i]:
                 logits_seen[i].append(logits[i])
-                tokens[i].append(int(np.argmax(logits[i])))
+                j = len(tokens[i]) - len(prompts[i])
+                forced = forced_tokens is not None
+                tokens[i].append(int(forced_tokens[i][j] if forced else np.argmax(logits[i])))
     generated = [t[len(p) :] for t, p in zip(tokens, prompts)]
     return generated, [np.stack(seen) for seen in logits_seen]

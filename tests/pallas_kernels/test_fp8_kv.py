@@ -46,8 +46,9 @@ def test_fp8_dtypes_work_on_this_jax():
         )
 
 
-@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("in_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "name,in_dtype", [("fp8_e4m3", "float32"), ("fp8_e5m2", "bfloat16")], ids=["e4m3", "e5m2"]
+)
 def test_write_kv_quantizes_like_numpy_and_kernel_matches(name, in_dtype):
     num_blocks, kv_heads, bs, head_dim = 4, 2, 8, 64
     k_cache, v_cache = pk.init_kv_cache(num_blocks, bs, kv_heads, head_dim, JNP_FP8[name])
@@ -99,10 +100,8 @@ def fp8_case(seed: int, name: str, k_scale: float, v_scale: float, q_dtype: str,
 
 
 FP8_CASES = [  # name, q dtype, bs, kv_heads, group, window, cap, splits
-    pytest.param("fp8_e4m3", "float32", 8, 2, 2, None, None, 1, id="e4m3-q32-bs8-gqa2"),
-    pytest.param("fp8_e4m3", "bfloat16", 16, 1, 4, 11, None, 3, id="e4m3-qbf16-win-split3"),
-    pytest.param("fp8_e5m2", "float32", 16, 2, 1, None, 5.0, 2, id="e5m2-q32-cap-split2"),
-    pytest.param("fp8_e5m2", "bfloat16", 8, 1, 8, None, None, 1, id="e5m2-qbf16-gqa8"),
+    pytest.param("fp8_e4m3", "bfloat16", 16, 1, 4, 11, None, 3, id="e4m3-qbf16-gqa4-win-split3"),
+    pytest.param("fp8_e5m2", "float32", 8, 2, 2, None, 5.0, 2, id="e5m2-q32-gqa2-cap-split2"),
 ]
 K_SCALE, V_SCALE = 0.05, 0.7
 
