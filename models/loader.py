@@ -21,12 +21,12 @@ from jax.sharding import Mesh
 
 from paged_jax.models.config import ModelConfig, canonical_dtype
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
 from paged_jax.models.partitioning import (
     param_shardings,
     tensor_parallel_config,
     tensor_parallel_weight_rules,
 )
-from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule

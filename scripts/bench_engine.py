@@ -59,6 +59,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "per-device memory and greedy outputs with N=1 (on CPU the N devices are faked "
         "and speed is not reported)",
     )
+    e.add_argument(
+        "--kv-cache-dtype", default="auto", help="paged engine's KV dtype (auto, fp8_e4m3, ...)"
+    )
     e.add_argument("--hf-batch-size", type=int, default=None, help="default: contiguous slots")
     e.add_argument(
         "--torch-threads",
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.tensor_parallel_sizes:
         return run_tensor_parallel(args, model_dir, trace, results["paged-jax"], report_base)

@@ -20,8 +20,9 @@ py=${PYTHON:-python3}
 STEPS=(
   "setup|40|import check, nvidia-smi, jax devices"
   "gpu_tests|170|pytest -m gpu tests"
-  "bench_kernels|150|scripts/bench_kernels.py (6 decode cells x 3 implementations)"
+  "bench_kernels|120|scripts/bench_kernels.py (6 decode cells x 3 implementations)"
   "bench_engine|110|scripts/bench_engine.py --systems paged, one cell"
+  "fp8_decode|30|scripts/bench_fp8_decode.py: decode on bf16 vs fp8 caches (issue 17)"
 )
 BUDGET_LIMIT=480
 
@@ -86,5 +87,9 @@ step bench_engine
 timeout "$(limit_of bench_engine)" $py scripts/bench_engine.py --systems paged --dtype bfloat16 \
   --num-requests 32 --max-num-seqs 32 --max-num-batched-tokens 128 --max-model-len 1024 \
   --output "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log"
+
+step fp8_decode
+timeout "$(limit_of fp8_decode)" $py scripts/bench_fp8_decode.py \
+  --output "$OUT/bench_fp8_decode.json" 2>&1 | tee "$OUT/bench_fp8_decode.log"
 
 echo "== done in $(($(date +%s) - start)) s (budget ${total} s); results in $OUT/"

@@ -76,28 +76,34 @@ def run_paged(
     enable_prefix_caching: bool = True,
     tensor_parallel_size: int = 1,
     num_kv_blocks: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> SystemResult:
     """Serves the trace with the paged engine, its pool sized to budget_bytes (null block in).
 
     num_kv_blocks, when given, overrides the budget (a tensor-parallel run keeps the
-    pool of its N=1 twin, so both schedule alike).
+    pool of its N=1 twin, so both schedule alike). kv_cache_dtype "fp8_e4m3"/"fp8_e5m2"
+    sizes the pool with 1-byte elements.
     """
     from paged_jax.config import EngineConfig
     from paged_jax.engine import Engine
     from paged_jax.sampling_params import SamplingParams
 
     if num_kv_blocks is None:
-        num_kv_blocks = budget_bytes // int(model.kv_bytes_per_block(block_size))
+        from paged_jax.worker.kv_cache_dtype import kv_cache_jnp_dtype
+
+        kv_dtype = kv_cache_jnp_dtype(kv_cache_dtype)
+        num_kv_blocks = budget_bytes // int(model.kv_bytes_per_block(block_size, kv_dtype))
     config = EngineConfig(
         tensor_parallel_size=tensor_parallel_size,
         block_size=block_size,
-        num_kv_blocks=num_kv_blocks,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=enable_prefix_caching,
         attention_backend="auto",
         dtype=str(model.config.dtype),
+        num_kv_blocks=num_kv_blocks,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = Engine(model, config)
     t0 = time.perf_counter()
@@ -143,7 +149,9 @@ def run_paged(
         outputs=outputs,
         extra={
             "num_kv_blocks": num_kv_blocks,
-            "kv_pool_bytes": num_kv_blocks * int(model.kv_bytes_per_block(block_size)),
+            # All devices together (runner.bytes_per_block is one device's share).
+            "kv_pool_bytes": num_kv_blocks * engine.runner.bytes_per_block * tensor_parallel_size,
+            "kv_cache_dtype": kv_cache_dtype,
             "block_size": block_size,
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
