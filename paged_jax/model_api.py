@@ -101,8 +101,8 @@ class PagedModel(Protocol):
                 (the model's default); static under jit.
             kv_scales: per-layer (k_scale, v_scale) of an fp8 KV cache, handed to the
                 kernels' k_scale/v_scale; the engine passes it only when
-                EngineConfig.kv_cache_dtype is fp8, so a model without fp8 support may
-                omit the parameter.
+                EngineConfig.kv_cache_dtype is fp8, so a model that never serves an
+                fp8 cache may omit the parameter.
 
         Returns:
             (logits f32[S, vocab_size] at logits_indices, updated caches).
