@@ -156,9 +156,12 @@ class Runner:
         else:
             self.kv_caches = self.tp.init_kv_caches(self.num_kv_blocks, config.block_size)
         # fp8: per-layer (k_scale, v_scale), a step argument (new values never recompile).
-        num_layers = len(self.kv_caches)
+        # Per layer, not per KV tensor (hybrid-group models share tensors between layers).
+        self._num_layers = int(model.config.num_hidden_layers)
         self.kv_scales = (
-            None if kv_dtype is None else jax.numpy.asarray(initial_kv_scales(model, num_layers))
+            None
+            if kv_dtype is None
+            else jax.numpy.asarray(initial_kv_scales(model, self._num_layers))
         )
         self.attention_backend = config.attention_backend
         backend = self.attention_backend
@@ -294,7 +297,7 @@ class Runner:
             raise ValueError(
                 f"kv_cache_dtype={self.config.kv_cache_dtype!r} has no scales (fp8 only)"
             )
-        self.kv_scales = jax.numpy.asarray(check_kv_scales(scales, len(self.kv_caches)))
+        self.kv_scales = jax.numpy.asarray(check_kv_scales(scales, self._num_layers))
 
     def _penalty_fields(self, step: StepInput) -> dict[str, Any]:
         """The sampler's penalty inputs; without penalties, neutral values and a resident
