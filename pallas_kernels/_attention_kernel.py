@@ -118,8 +118,10 @@ def _kernel(
             jnp.broadcast_to(offs[:, None], tile),
             jax.lax.broadcasted_iota(jnp.int32, tile, 1),
         )
-        k = masked_load(k_ref.at[idx], mask=kv_mask, other=0)  # f[block_k, head_dim]
-        v = masked_load(v_ref.at[idx], mask=kv_mask, other=0)
+        # Triton cannot cast an int fill to fp8; a float one it can (sm89+).
+        other = 0.0 if fp8 else 0
+        k = masked_load(k_ref.at[idx], mask=kv_mask, other=other)  # f[block_k, head_dim]
+        v = masked_load(v_ref.at[idx], mask=kv_mask, other=other)
         if fp8:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jax.lax.dot_general(
