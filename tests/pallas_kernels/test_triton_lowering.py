@@ -203,6 +203,7 @@ def _lower_step(runner: Runner, step) -> str:
     args = (
         runner.weights,
         runner.kv_caches,
+        runner.kv_scales,  # None unless kv_cache_dtype is fp8
         runner.row_tokens,
         step.token_ids,
         step.positions,
