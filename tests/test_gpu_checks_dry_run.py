@@ -23,7 +23,7 @@ def test_dry_run_prints_the_plan_and_a_budget_that_fits():
         check=True,
     ).stdout
     steps = dict(re.findall(r"step (\w+)\s+<=\s+(\d+) s", out))
-    assert set(steps) == {"setup", "gpu_tests", "bench_kernels", "bench_engine"}
+    assert set(steps) == {"setup", "gpu_tests", "bench_kernels", "bench_engine", "fp8_decode"}
     total = int(re.search(r"budget: total (\d+) s <= (\d+) s", out).group(1))
     assert total == sum(map(int, steps.values())) <= DEVICE_COMMAND_LIMIT_S
     cells = re.findall(r"cell decode b=(\d+) ctx=(\d+) (\w+)", out)
