@@ -6,6 +6,12 @@ Pure Python; never imports jax.
 from __future__ import annotations
 
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
+from paged_jax.core.copy_on_write import (
+    BlockCopies,
+    PendingCopies,
+    fork_blocks,
+    written_shared_blocks,
+)
 from paged_jax.core.hashing import HASH_ALGOS, BlockHasher
 from paged_jax.core.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
 from paged_jax.core.kv_cache_coordinator import (
@@ -99,6 +105,7 @@ class KVCacheManager:
         self._empty_groups: tuple[tuple[KVCacheBlock, ...], ...] = tuple(() for _ in groups)
         self.empty_kv_cache_blocks = KVCacheBlocks(self._empty_groups)
         self._stats = PrefixCacheStats()
+        self.pending_copies = PendingCopies(self.block_pool)
 
     def _make_manager(self, group: KVCacheGroupSpec, group_id: int) -> SingleTypeKVCacheManager:
         if group.sliding_window is None:
@@ -231,11 +238,15 @@ class KVCacheManager:
         num_needed = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, hit_groups
         )
-        if num_needed > self.block_pool.free_block_queue.num_free_blocks:
+        # Writes into blocks a fork still shares copy them first (one fresh block each).
+        cow = self._shared_writes(request, num_tokens_need_slot) if not num_hit_blocks else ()
+        if num_needed + len(cow) > self.block_pool.free_block_queue.num_free_blocks:
             return None
         if num_hit_blocks:
             # Touch the hits before allocating so the allocation cannot evict them.
             coordinator.save_new_computed_blocks(request_id, hit_groups)
+        for manager, index in cow:
+            self.pending_copies.copy_on_write(request_id, manager, index)
         new_groups = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching:
             if request.block_hasher is None:
@@ -247,6 +258,22 @@ class KVCacheManager:
         if not any(new_groups):
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_groups)
+
+    def _shared_writes(self, request: Request, end_token: int) -> list:
+        """(manager, block index) of every shared block the request's next tokens write into."""
+        out = []
+        for manager in self.coordinator.managers:
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if blocks:
+                indices = written_shared_blocks(
+                    blocks,
+                    request.num_computed_tokens,
+                    end_token,
+                    manager.block_size,
+                    self.pending_copies,
+                )
+                out.extend((manager, i) for i in indices)
+        return out
 
     def _check_hit(self, request: Request, new_computed_blocks: KVCacheBlocks) -> None:
         if not self.enable_caching:
@@ -268,6 +295,55 @@ class KVCacheManager:
         Hashed blocks stay cached (hittable) until their block is reused.
         """
         self.coordinator.free(_request_id(request))
+
+    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> int:
+        """Gives ``child`` the blocks holding ``parent``'s first num_tokens tokens, shared.
+
+        Every shared block gains one reference (full and partial blocks alike); no KV
+        is copied now. The first write into a block that is still shared copies it:
+        ``allocate_slots`` gives the writer a fresh block in that table slot and
+        schedules a device copy (see ``take_pending_copies``). Freeing stays per
+        request. A partially shared block that the parent has already hashed (full in
+        the parent, so not the child's) is not shared; the child recomputes it.
+
+        Args:
+            parent: a request holding blocks for at least num_tokens computed tokens.
+            child: a request holding no blocks whose first num_tokens token ids equal
+                the parent's (for example ``parent.fork(...)``).
+            num_tokens: tokens to share; default ``parent.num_computed_tokens``.
+
+        Returns:
+            How many of the child's tokens are now computed: set
+            ``child.num_computed_tokens`` to it.
+
+        Fork between steps: every computed token of the parent must have its KV
+        written, and this step's copies must have been taken.
+
+        Raises:
+            ValueError: the child holds blocks, num_tokens is out of range, the two
+                requests' tokens differ within num_tokens, or copies are pending.
+        """
+        if self.enable_caching:
+            self._ensure_hasher(child)
+        return fork_blocks(
+            self.coordinator.managers,
+            self.block_pool,
+            parent,
+            child,
+            num_tokens,
+            self.pending_copies,
+        )
+
+    def take_pending_copies(self) -> BlockCopies:
+        """The copy-on-write block copies scheduled since the last call.
+
+        Call once per step, after the last allocate_slots of the step: the copies
+        (``.pairs``, (src, dst) block ids) must run on device before that step's KV
+        writes, and ``.table_updates`` says which table slots now name the copies.
+        Releases the holds that kept both blocks of every copy out of the free queue
+        meanwhile.
+        """
+        return self.pending_copies.take()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's blocks that are full within num_computed_tokens."""
@@ -389,9 +465,10 @@ class KVCacheManager:
         """Checks pool and table consistency; raises AssertionError on a bug.
 
         Beyond BlockPool.check_invariants: every block's ref_cnt equals the number
-        of request tables holding it (over all groups), no table holds a block twice,
-        the null block appears only as the leading run of a sliding-window table,
-        and exactly the first num_cached real blocks of each table are hashed.
+        of request tables holding it (over all groups) plus its holds by pending
+        copies, no table holds a block twice, the null block appears only as the
+        leading run of a sliding-window table, and exactly the first num_cached real
+        blocks of each table are hashed.
         """
         self.block_pool.check_invariants()
         holders = [0] * self.num_blocks
@@ -421,9 +498,11 @@ class KVCacheManager:
                             f"state disagrees with num_cached_block={num_cached}"
                         )
                     holders[block.block_id] += 1
+        holds = self.pending_copies.holds
         for block in self.block_pool.blocks[1:]:
-            if block.ref_cnt != holders[block.block_id]:
+            held = holds.get(block.block_id, 0)
+            if block.ref_cnt != holders[block.block_id] + held:
                 raise AssertionError(
                     f"block {block.block_id} ref_cnt={block.ref_cnt} but "
-                    f"{holders[block.block_id]} requests hold it"
+                    f"{holders[block.block_id]} requests and {held} pending copies hold it"
                 )

@@ -190,6 +190,54 @@ class Request:
             if new_hashes:
                 self.block_hashes.extend(new_hashes)
 
+    def fork(
+        self,
+        request_id: str,
+        output_token_ids: Iterable[int] | None = None,
+        *,
+        sampling_params: Any = None,
+    ) -> Request:
+        """A new request with this one's prompt and settings (the child of a fork).
+
+        The child's block hashes are copied for the full blocks whose tokens it
+        shares with this request (and extended by the same hasher), so forking a long
+        sequence does not rehash it. Its blocks come from ``KVCacheManager.fork``.
+
+        Args:
+            request_id: the child's id.
+            output_token_ids: the child's outputs; default a copy of this request's.
+            sampling_params: the child's; default this request's.
+        """
+        child = Request(
+            request_id,
+            self.prompt_token_ids,
+            self.sampling_params if sampling_params is None else sampling_params,
+            cache_salt=self.cache_salt,
+            priority=self.priority,
+            arrival_time=self.arrival_time,
+            adapter_id=self.adapter_id,
+        )
+        outputs = list(self.output_token_ids if output_token_ids is None else output_token_ids)
+        if outputs:
+            if not all(type(t) is int and t >= 0 for t in outputs):
+                outputs = [_to_token_id(t, "output_token_ids[i]") for t in outputs]
+            child.output_token_ids = outputs
+            child.all_token_ids = child.all_token_ids + outputs
+        hasher = self._block_hasher
+        if hasher is not None:
+            size = getattr(hasher, "block_size", None)
+            if size is not None:
+                # Same prompt; count the common outputs.
+                mine, theirs = self.output_token_ids, child.output_token_ids
+                same = 0
+                limit = min(len(mine), len(theirs))
+                while same < limit and mine[same] == theirs[same]:
+                    same += 1
+                same += len(self.prompt_token_ids)
+                child.block_hashes = self.block_hashes[: same // size]
+            child.block_hasher = hasher
+        return child
+
     def __repr__(self) -> str:
         return (
             f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "

@@ -18,6 +18,7 @@ import itertools
 from paged_jax.config import EngineConfig, cdiv
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
+from paged_jax.core.scheduler_forks import add_fork_rows_and_copies, fork_running_request
 from paged_jax.core.scheduler_output import NewRow, ScheduledSeq, SchedulerOutput
 
 
@@ -93,6 +94,7 @@ class Scheduler:
         self._removed: list[str] = []
         self.errors: dict[str, str] = {}
         self.num_preemptions = 0
+        self._forked: list[Request] = []  # children whose rows go out with the next step
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req: Request) -> None:
@@ -176,6 +178,8 @@ class Scheduler:
 
         if not out.preempted_req_ids:
             self._admit(out, scheduled, budget)
+        if self._forked or len(self.kv.pending_copies):
+            add_fork_rows_and_copies(self, out)
         out.scheduled = list(scheduled.values())
         requests = self.requests
         placeholders = self.config.async_scheduling
@@ -251,6 +255,18 @@ class Scheduler:
             )
             budget -= num_new
 
+    def fork_request(self, parent_id: str, child: Request) -> None:
+        """Starts ``child`` (see ``Request.fork``) as a running request sharing the parent's blocks.
+
+        The child's computed tokens are the parent's; its first write into a shared
+        block is copied on write. Its input-batch row goes out with the next schedule().
+
+        Raises:
+            ValueError: the parent is not running, the child's id is taken, or the
+                batch already holds max_num_seqs requests (see KVCacheManager.fork too).
+        """
+        fork_running_request(self, parent_id, child)
+
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
@@ -261,6 +277,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and req.num_computed_tokens > 0:
             num_saved = req.num_computed_tokens
             block_ids = list(self.kv.get_block_ids(req))[: cdiv(num_saved, self.block_size)]
+            # A block copied on write this round holds no KV until the step: read its source.
+            block_ids = [self.kv.pending_copies.source_of(b) for b in block_ids]
             out.swap_out.append((req.request_id, block_ids))
             self.swapped[req.request_id] = num_saved
         else:

@@ -46,7 +46,8 @@ class SchedulerOutput:
     """What one step runs and what the runner must do to device state first.
 
     Order of application: drop rows of finished/preempted requests, swap out, add
-    new rows, append block ids, swap in, then run `scheduled`.
+    new rows (admitted, resumed or forked), append block ids, replace copied-on-write
+    block ids, swap in, then run `scheduled` (whose step first runs `block_copies`).
     """
 
     scheduled: list[ScheduledSeq] = dataclasses.field(default_factory=list)
@@ -61,6 +62,10 @@ class SchedulerOutput:
     swap_in: list[tuple[str, list[int]]] = dataclasses.field(default_factory=list)
     # Requests finished with an error while scheduling (they can never fit).
     errored: list[Request] = dataclasses.field(default_factory=list)
+    # Copy-on-write: (src, dst) block copies run on device before this step's KV writes,
+    # and the table slots (req_id -> [(index, new block id)]) that now name the copies.
+    block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    replaced_block_ids: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -1,15 +1,24 @@
-"""Random allocate / append / prefix-hit / free / preempt sequences keep every invariant.
+"""Random allocate / append / prefix-hit / fork / free / preempt sequences keep every invariant.
 
 A hypothesis RuleBasedStateMachine drives a KVCacheManager on a 13-block pool the
 way a scheduler would and, after every step, checks the pool against an
 independent model: free + used == usable blocks, each block's ref_cnt equals the
-number of live requests whose table holds it, the null block is never handed
-out, only full blocks are hashed (with the request's own chained hash), and the
-hash map agrees with the blocks. The test asserts that >= 2,000 steps ran.
+number of live requests whose table holds it (plus the holds of pending
+copy-on-write copies), the null block is never handed out, only full blocks are
+hashed (with the request's own chained hash), and the hash map agrees with the
+blocks.
+
+Forks share blocks; the model predicts every copy-on-write (a write into a block
+that another table holds) and checks that no block is written while shared. A
+simulated device applies each round's copies, then its KV writes, to per-block
+token contents, and every running request must read its own tokens back through
+its table, so a missed or misdirected copy shows up as a wrong token. The test
+asserts that >= 2,000 steps ran.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 from hypothesis import HealthCheck, settings
@@ -33,7 +42,17 @@ MAX_MODEL_LEN = 48
 PREFIXES = [list(range(100, 112)), list(range(200, 208)), [7] * 8]
 
 # Counters over the whole run, so the test can check the interesting paths ran.
-STEPS = {"count": 0, "hits": 0, "revived": 0, "refused": 0, "preempted": 0, "reset": 0}
+STEPS = {
+    "count": 0,
+    "hits": 0,
+    "revived": 0,
+    "refused": 0,
+    "preempted": 0,
+    "reset": 0,
+    "forks": 0,
+    "copies": 0,
+    "rounds_with_holds": 0,
+}
 
 
 class KVCacheManagerMachine(RuleBasedStateMachine):
@@ -50,6 +69,72 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.tables: dict[str, list[int]] = {}  # the model's copy of each block table
+        # The simulated device: token per (block, offset); this round's copies and writes.
+        self.content: dict[int, list[int | None]] = collections.defaultdict(lambda: [None] * BS)
+        self.expected_copies: list[tuple[int, int]] = []
+        self.pending_writes: list[tuple[int, int, int]] = []
+        self.in_round: set[str] = set()
+
+    # -- the simulated device and the model's predictions ---------------------
+
+    def _holders(self) -> collections.Counter:
+        return collections.Counter(b for t in self.tables.values() for b in t)
+
+    def _allocate(self, req, num_new, num_hit=0, hits=None):
+        """allocate_slots plus the model's check of its copy-on-writes; queues the writes."""
+        if req.request_id in self.in_round:
+            self.device_step()  # one allocation per request per round, as a scheduler does
+        before = list(self.tables.get(req.request_id, []))
+        holders = self._holders()
+        if hits is None:
+            new = self.m.allocate_slots(req, num_new)
+        else:
+            new = self.m.allocate_slots(req, num_new, num_hit, hits)
+        if new is None:
+            return None
+        start = req.num_computed_tokens + num_hit
+        end = start + num_new
+        after = self.m.get_block_ids(req)
+        written = range(start // BS, -(-end // BS))
+        for i, (old, now) in enumerate(zip(before, after)):
+            shared = i in written and holders[old] > 1
+            if not shared:
+                assert now == old, f"block {old} at slot {i} was replaced without a write"
+                continue
+            assert holders[now] == 0 and now not in before, f"copy target {now} is in use"
+            self.expected_copies.append((old, now))
+        assert (
+            after[len(before) :]
+            == (hits.get_block_ids()[0] if hits else []) + (new.get_block_ids()[0])
+        )
+        self.tables[req.request_id] = after
+        self.in_round.add(req.request_id)
+        pool = self.m.block_pool
+        for pos in range(start, end):
+            block_id = after[pos // BS]
+            # No block is written while another request holds it.
+            assert self.m.pending_copies.num_holders(pool.blocks[block_id]) == 1
+            self.pending_writes.append((block_id, pos % BS, req.all_token_ids[pos]))
+        return new
+
+    def device_step(self):
+        """Packs the round: takes the copies, runs them, then the round's KV writes."""
+        holders = self._holders()
+        copies = self.m.take_pending_copies()
+        expected = [(s, d) for s, d in self.expected_copies if holders[d] > 0]
+        assert copies.pairs == expected
+        dsts = [d for _, d in copies.pairs]
+        assert len(set(dsts)) == len(dsts) and not set(dsts) & {s for s, _ in copies.pairs}
+        STEPS["copies"] += len(copies.pairs)
+        STEPS["rounds_with_holds"] += len(self.in_round) > 1 and bool(copies.pairs)
+        sources = {s: list(self.content[s]) for s, _ in copies.pairs}
+        for s, d in copies.pairs:
+            self.content[d] = list(sources[s])
+        for block_id, offset, token in self.pending_writes:
+            self.content[block_id][offset] = token
+        self.expected_copies = []
+        self.pending_writes = []
+        self.in_round = set()
 
     # -- rules ------------------------------------------------------------
 
@@ -73,11 +158,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             return
         n = next(self.ids)
         req = Request(f"hog{n}", [10_000 + n] * (num_blocks * BS))
-        assert self.m.allocate_slots(req, req.num_tokens) is not None
+        assert self._allocate(req, req.num_tokens) is not None
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        self.tables[req.request_id] = self.m.get_block_ids(req)
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 24))
@@ -93,7 +177,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert [b.ref_cnt for b in self.m.block_pool.blocks] == refs_before
         num_new = min(req.num_tokens - num_hit, chunk)
         num_free_hits = sum(1 for b in hits.blocks[0] if b.ref_cnt == 0)
-        new = self.m.allocate_slots(req, num_new, num_hit, hits)
+        new = self._allocate(req, num_new, num_hit, hits)
         if new is None:
             STEPS["refused"] += 1
             # All or nothing: nothing changed.
@@ -107,9 +191,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = num_hit + num_new
-        table = hits.get_block_ids()[0] + new.get_block_ids()[0]
-        assert self.m.get_block_ids(req) == table
-        self.tables[req.request_id] = table
+        assert self.m.get_block_ids(req) == hits.get_block_ids()[0] + new.get_block_ids()[0]
 
     @precondition(lambda self: self.running)
     @rule(data=st.data(), chunk=st.integers(1, 24), num_out=st.integers(1, 3))
@@ -124,13 +206,37 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                 data.draw(st.lists(st.integers(0, 3), min_size=num_out, max_size=num_out))
             )
         num_new = min(req.num_tokens - req.num_computed_tokens, chunk)
-        new = self.m.allocate_slots(req, num_new)
+        new = self._allocate(req, num_new)
         if new is None:
             self._preempt(req)
             return
-        self.tables[req.request_id] += new.get_block_ids()[0]
-        assert self.m.get_block_ids(req) == self.tables[req.request_id]
         req.num_computed_tokens += num_new
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), min_size=1, max_size=3))
+    def fork(self, data, tail):
+        """Fork a running request between steps; the child diverges after the shared part."""
+        self.device_step()
+        # Prefer parents with a partial last block: those forks copy on write.
+        partial = [r for r in self.running if r.num_computed_tokens % BS]
+        parent = data.draw(st.sampled_from(partial or self.running))
+        k = parent.num_computed_tokens
+        if k + len(tail) >= MAX_MODEL_LEN:
+            return
+        cid = f"f{next(self.ids)}"
+        if k >= parent.num_prompt_tokens:
+            child = parent.fork(cid, parent.output_token_ids[: k - parent.num_prompt_tokens] + tail)
+        else:
+            child = Request(cid, parent.all_token_ids[:k] + tail, cache_salt=parent.cache_salt)
+        num_shared = self.m.fork(parent, child)
+        assert num_shared <= k and (num_shared == k or num_shared % BS == 0)
+        child.num_computed_tokens = num_shared
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        table = self.m.get_block_ids(child)
+        assert table == self.tables[parent.request_id][: -(-num_shared // BS)]
+        self.tables[cid] = table
+        STEPS["forks"] += 1
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -142,21 +248,28 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def preempt_latest(self):
         self._preempt(self.running[-1])
 
+    @rule()
+    def run_device_step(self):
+        self.device_step()
+
     @rule(roll=st.integers(0, 4))
     def reset_prefix_cache(self, roll):
         if roll:  # keep resets rare so cached prefixes live long enough to be hit
             return
+        self.device_step()
         in_use = any(self.tables.values())
         assert self.m.reset_prefix_cache() is (not in_use)
         STEPS["reset"] += not in_use
 
     def _finish(self, req):
+        self.device_step()  # requests end between steps
         self.m.free(req)
         self.running.remove(req)
         del self.tables[req.request_id]
         req.status = RequestStatus.FINISHED_STOPPED
 
     def _preempt(self, req):
+        self.device_step()
         self.m.free(req)
         self.running.remove(req)
         del self.tables[req.request_id]
@@ -181,8 +294,14 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             assert 0 not in table, "the null block was handed out"
             for block_id in table:
                 holders[block_id] += 1
-        assert [b.ref_cnt for b in pool.blocks[1:]] == holders[1:]
-        used = sum(1 for h in holders[1:] if h)
+        holds = collections.Counter()
+        for src, dst in self.expected_copies:
+            holds[src] += 1
+            holds[dst] += 1
+        assert [b.ref_cnt for b in pool.blocks[1:]] == [
+            holders[i] + holds[i] for i in range(1, NUM_BLOCKS)
+        ]
+        used = sum(1 for i in range(1, NUM_BLOCKS) if holders[i] + holds[i])
         assert m.num_free_blocks + used == NUM_BLOCKS - 1
         for req in self.running:
             table = self.tables[req.request_id]
@@ -195,6 +314,12 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                     assert get_block_hash(block.block_hash) == req.block_hashes[i]
         for req in self.waiting:
             assert m.get_block_ids(req) == []
+        if not self.pending_writes and not self.expected_copies:
+            # Every running request reads its own tokens back through its table.
+            for req in self.running:
+                table = self.tables[req.request_id]
+                got = [self.content[table[p // BS]][p % BS] for p in range(req.num_computed_tokens)]
+                assert got == req.all_token_ids[: req.num_computed_tokens], req.request_id
 
 
 def test_random_sequences_keep_invariants():
