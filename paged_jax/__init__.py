@@ -7,6 +7,7 @@ configs). `LLM` and `Engine` load jax on first access.
 
 from __future__ import annotations
 
+from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from paged_jax.core.hashing import (
@@ -39,6 +40,9 @@ def __getattr__(name: str):
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Engine",
     "EngineConfig",

@@ -20,6 +20,7 @@ from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
+from paged_jax.engine_forks import fork_request
 from paged_jax.model_api import check_paged_model
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
@@ -159,6 +160,7 @@ class Engine:
         self._step_times: list[float] = []
         self._host_times: list[float] = []
         self._in_flight: InFlightStep | None = None
+        self._synchronous = False  # set by beam search: read every step's tokens at once
         self._num_steps = 0
         self._usage_peak = 0.0
         self._num_cached_tokens: dict[str, int] = {}
@@ -210,11 +212,42 @@ class Engine:
                 f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "
                 f"pool has {self.kv_cache_manager.num_usable_blocks}: raise num_kv_blocks"
             )
+        self._register(request_id, params)
+        self.scheduler.add_request(req)
+
+    def _register(self, request_id: str, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         self._states[request_id] = _ReqState(
             params, seed, [] if params.logprobs is not None else None
         )
-        self.scheduler.add_request(req)
+
+    def fork_request(
+        self,
+        parent_id: str,
+        child_id: str,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        """Starts a running child that shares the parent's KV blocks (copy-on-write).
+
+        Call between steps. See ``paged_jax.engine_forks.fork_request``.
+        """
+        fork_request(
+            self,
+            parent_id,
+            child_id,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            sampling_params=sampling_params,
+        )
+
+    def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
+        """The live request's logprobs so far (one dict per sampled token), or None."""
+        if request_id not in self._states:
+            raise ValueError(f"request_id={request_id!r} must name a live request")
+        return self._states[request_id].logprobs
 
     def abort_request(self, request_id: str) -> EngineOutput:
         """Ends a live request now; its blocks go back to the pool."""
@@ -244,14 +277,14 @@ class Engine:
         self._apply_to_device_state(out)
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         launched = None
+        assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
         if out.scheduled:
             self._record_blocks_per_request(out)
-            launched = InFlightStep.launch(
-                out, sched.requests, self.runner.dispatch(self.input_batch.prepare(out.scheduled))
-            )
+            step = self.input_batch.prepare(out.scheduled, out.block_copies)
+            launched = InFlightStep.launch(out, sched.requests, self.runner.dispatch(step))
             self._num_steps += 1
         ready = launched
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self._synchronous:
             ready, self._in_flight = self._in_flight, launched
         wait_s = 0.0
         if ready is not None:
@@ -323,6 +356,8 @@ class Engine:
             )
         for req_id, block_ids in out.new_block_ids.items():
             batch.append_block_ids(req_id, block_ids)
+        for req_id, updates in out.replaced_block_ids.items():
+            batch.replace_block_ids(req_id, updates)
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
 

@@ -15,12 +15,14 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from paged_jax.chat_template import ChatTemplate, check_messages
 from paged_jax.compile_cache import enable_compile_cache, resolve_compile_cache_dir
 from paged_jax.config import EngineConfig
 from paged_jax.engine import Engine, EngineOutput
 from paged_jax.model_api import PagedModel, check_paged_model
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_jax.parallel_sampling import ForkedParallelSampling
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -133,6 +135,7 @@ class LLM:
             self.model, config, detokenize=None if self.tokenizer is None else self.decode
         )
         self.config = self.engine.config
+        self._parallel = ForkedParallelSampling(self.engine)
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()
@@ -179,9 +182,11 @@ class LLM:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 submitted.append(self._submit(i, prompt, p))
         except ValueError:
-            for *_, children in submitted:  # nothing ran yet: withdraw this call's requests
+            for rid, *_, children in submitted:  # nothing ran yet: withdraw this call's requests
+                self._parallel.withdraw(rid)
                 for cid in children:
-                    self.engine.abort_request(cid)
+                    if cid in self.engine._states:
+                        self.engine.abort_request(cid)
             raise
         finished = self._run(sum(len(s[3]) for s in submitted), use_tqdm)
         return [self._collect(*s, finished, p) for s, p in zip(submitted, params)]
@@ -213,7 +218,9 @@ class LLM:
                 pending[cid] = (i, sub, p)
         finished: dict[str, EngineOutput] = {}
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outs = self.engine.step()
+            self._parallel.after_step()
+            for out in outs:
                 if out.request_id not in pending:
                     continue  # a request added outside this call
                 i, sub, p = pending.pop(out.request_id)
@@ -322,23 +329,19 @@ class LLM:
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
         rid = str(next(self._ids))
-        children: list[str] = []
+        children: list[tuple[str, SamplingParams]] = []
         for j in range(p.n):
             child = p
             if p.n > 1:
-                # Children differ by seed and share the prompt's blocks through
-                # the prefix cache.
+                # Children differ by seed; they fork after one prefill of the prompt.
                 seed = None if p.seed is None else (p.seed + j) % 2**32
                 child = dataclasses.replace(p, n=1, seed=seed)
-            child_id = rid if p.n == 1 else f"{rid}_{j}"
-            try:
-                self.engine.add_request(child_id, ids, child)
-            except ValueError as e:
-                for cid in children:
-                    self.engine.abort_request(cid)
-                raise ValueError(f"prompts[{i}]: {e}") from e
-            children.append(child_id)
-        return rid, text, ids, children
+            children.append((rid if p.n == 1 else f"{rid}_{j}", child))
+        try:
+            self._parallel.submit(rid, ids, children)
+        except ValueError as e:  # submit leaves nothing of this prompt in the engine
+            raise ValueError(f"prompts[{i}]: {e}") from e
+        return rid, text, ids, [cid for cid, _ in children]
 
     def _error_output(self, i: int, prompt: Any, error: str) -> RequestOutput:
         now = time.time()
@@ -354,6 +357,28 @@ class LLM:
             error=error,
         )
 
+    def beam_search(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: BeamSearchParams,
+    ) -> list[BeamSearchOutput]:
+        """Beam search per prompt (vLLM's LLM.beam_search); beams share KV blocks by forks.
+
+        Returns one BeamSearchOutput per prompt, in order, whose ``sequences`` are the
+        beam_width best beams, best first. See paged_jax.beam_search for semantics.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params={params!r} must be a BeamSearchParams")
+        ids = [self.encode(p) if isinstance(p, str) else p for p in self._as_prompt_list(prompts)]
+        for i, p in enumerate(ids):
+            bad = [t for t in p if not 0 <= t < self.engine.vocab_size]
+            if bad or not p:
+                raise ValueError(
+                    f"prompts[{i}]={p!r} must be a non-empty list of token ids < vocab_size="
+                    f"{self.engine.vocab_size}"
+                )
+        return run_beam_search(self.engine, ids, params, decode=self.decode)
+
     def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, EngineOutput]:
         finished: dict[str, EngineOutput] = {}
         bar = None
@@ -363,7 +388,9 @@ class LLM:
             bar = tqdm(total=num_requests, desc="requests", unit="req", dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            outs = self.engine.step()
+            self._parallel.after_step()
+            for out in outs:
                 finished[out.request_id] = out
                 num_out += len(out.token_ids)
                 if bar is not None:

@@ -255,17 +255,18 @@ class Scheduler:
             )
             budget -= num_new
 
-    def fork_request(self, parent_id: str, child: Request) -> None:
+    def fork_request(self, parent_id: str, child: Request, num_tokens: int | None = None) -> None:
         """Starts ``child`` (see ``Request.fork``) as a running request sharing the parent's blocks.
 
-        The child's computed tokens are the parent's; its first write into a shared
-        block is copied on write. Its input-batch row goes out with the next schedule().
+        The child's computed tokens are the parent's first num_tokens (default: all
+        the parent's computed tokens); its first write into a shared block is copied
+        on write. Its input-batch row goes out with the next schedule().
 
         Raises:
             ValueError: the parent is not running, the child's id is taken, or the
                 batch already holds max_num_seqs requests (see KVCacheManager.fork too).
         """
-        fork_running_request(self, parent_id, child)
+        fork_running_request(self, parent_id, child, num_tokens)
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from paged_jax.core.scheduler import Scheduler
 
 
-def fork_running_request(sched: Scheduler, parent_id: str, child: Request) -> None:
+def fork_running_request(
+    sched: Scheduler, parent_id: str, child: Request, num_tokens: int | None = None
+) -> None:
     """Scheduler.fork_request: the child joins the running requests on the parent's blocks."""
     parent = sched.requests.get(parent_id)
     if parent is None or parent.status != RequestStatus.RUNNING:
@@ -29,7 +31,7 @@ def fork_running_request(sched: Scheduler, parent_id: str, child: Request) -> No
             f"max_num_seqs={sched.config.max_num_seqs} requests are running: finish or "
             f"abort one before forking {parent_id!r}"
         )
-    child.num_computed_tokens = sched.kv.fork(parent, child)
+    child.num_computed_tokens = sched.kv.fork(parent, child, num_tokens)
     child.status = RequestStatus.RUNNING
     sched.requests[child.request_id] = child
     sched.running.append(child)

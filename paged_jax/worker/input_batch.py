@@ -37,6 +37,7 @@ class StepInput:
 
     T = padded num_tokens, S = padded num_seqs, W = max_blocks_per_seq, K = stop-id width,
     G = number of KV-cache groups (slot_mapping and block_tables are group 0's).
+    C = max_num_seqs (at most one copy-on-write per scheduled sequence and group).
     """
 
     token_ids: np.ndarray  # i32[T]
@@ -55,6 +56,8 @@ class StepInput:
     masked_token_ids: np.ndarray  # i32[S, K]; banned this step (min_tokens), -1 = none
     token_rows: np.ndarray  # i32[T]; row whose on-device sample is this token, -1 = token_ids
     sample_rows: np.ndarray  # i32[S]; row that keeps the sample on device; R = padding
+    copy_src: np.ndarray  # i32[C]; copy-on-write sources (C = max_num_seqs), run first
+    copy_dst: np.ndarray  # i32[C]; their destinations, -1 = padding (no copy)
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
     extra_slot_mappings: tuple[np.ndarray, ...] = ()  # G - 1 x i32[T]: groups 1..G-1
@@ -173,6 +176,13 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_token_ids[row] = end
 
+    def replace_block_ids(self, req_id: str, updates: Sequence[tuple[int, int, int]]) -> None:
+        """Points table slots at their copy-on-write copies: (group, index, new block id)."""
+        row = self.row_of[req_id]
+        for group, index, block_id in updates:
+            assert index < self.group_num_blocks[group][row], "a copy replaced a missing block"
+            self.group_block_tables[group][row, index] = block_id
+
     def _per_group(self, block_ids) -> Sequence[Sequence[int]]:
         """A flat id list (single-group models) or one list per group -> per group."""
         if len(self.windows) == 1 and (not block_ids or not isinstance(block_ids[0], Sequence)):
@@ -197,8 +207,10 @@ class InputBatch:
             num[row] = end
 
     # ----------------------------------------------------------------- step
-    def prepare(self, seqs: Sequence[ScheduledSeq]) -> StepInput:
-        """Pack the scheduled sequences, in order, into a bucket-padded StepInput."""
+    def prepare(
+        self, seqs: Sequence[ScheduledSeq], block_copies: Sequence[tuple[int, int]] = ()
+    ) -> StepInput:
+        """Pack the scheduled sequences, in order, and the step's block copies into a StepInput."""
         cfg = self.config
         num_seqs = len(seqs)
         assert 0 < num_seqs <= cfg.max_num_seqs, "scheduler broke the max_num_seqs budget"
@@ -273,6 +285,7 @@ class InputBatch:
                 repetition_penalty=padded(self.repetition_penalty, 1.0),
                 history_token_ids=padded(self.token_ids, 0),
             )
+        copy_src, copy_dst = self._copies(block_copies)
         return StepInput(
             token_ids=token_ids,
             positions=positions,
@@ -290,6 +303,8 @@ class InputBatch:
             masked_token_ids=masked,
             token_rows=token_rows,
             sample_rows=sample_rows,
+            copy_src=copy_src,
+            copy_dst=copy_dst,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             extra_slot_mappings=tuple(slot_mappings[1:]),
@@ -297,6 +312,15 @@ class InputBatch:
             **penalties,
             decode_only=bool((num_new == 1).all()),
         )
+
+    def _copies(self, pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        width = self.config.max_num_seqs
+        assert len(pairs) <= width, "more block copies than scheduled sequences in one step"
+        src = np.zeros(width, np.int32)
+        dst = np.full(width, PAD_SLOT_ID, np.int32)
+        if pairs:
+            src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+        return src, dst
 
     def dummy_step_input(
         self, num_tokens: int, num_seqs: int, decode_only: bool = False
@@ -321,6 +345,8 @@ class InputBatch:
             masked_token_ids=np.full((s, k), -1, np.int32),
             token_rows=np.full(t, -1, np.int32),
             sample_rows=np.full(s, len(self.req_of_row), np.int32),
+            copy_src=np.zeros(self.config.max_num_seqs, np.int32),
+            copy_dst=np.full(self.config.max_num_seqs, PAD_SLOT_ID, np.int32),
             num_tokens=0,
             num_seqs=0,
             extra_slot_mappings=tuple(np.full(t, PAD_SLOT_ID, np.int32) for _ in self.windows[1:]),

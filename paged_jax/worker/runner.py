@@ -24,6 +24,7 @@ from jax.experimental import checkify
 from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models import AttentionMetadata
+from paged_jax.worker.block_copies import copy_kv_blocks
 from paged_jax.worker.input_batch import StepInput, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import (
@@ -190,8 +191,11 @@ class Runner:
             feed,
             attn_meta,
             samp_meta,
+            copies,
         ):
             m = merge(weights)
+            # Copy-on-write copies run before this step writes any KV.
+            kv_caches = copy_kv_blocks(kv_caches, *copies, attention_backend=backend)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             extra = {} if kv_scales is None else {"kv_scales": kv_scales}
             logits, kv_caches = m.forward_paged(
@@ -279,6 +283,7 @@ class Runner:
             feed,
             attn,
             samp,
+            (step.copy_src, step.copy_dst),
         )
         err, result = result if self.config.validate else (None, result)
         out, self.kv_caches, self.row_tokens = result
