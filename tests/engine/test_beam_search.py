@@ -97,9 +97,7 @@ def assert_pool_drained(engine):
     ("width", "length_penalty"),
     [(2, 0.0), (4, 0.0), (3, 1.0)],  # equal lengths (no EOS): the penalty keeps the order
 )
-def test_beams_equal_transformers_without_eos(
-    engine, prompts, hf_beams, width, length_penalty
-):
+def test_beams_equal_transformers_without_eos(engine, prompts, hf_beams, width, length_penalty):
     params = BeamSearchParams(width, 6, ignore_eos=True, length_penalty=length_penalty)
     outs = run_beam_search(engine, prompts, params)
     for prompt, out in zip(prompts, outs):
