@@ -86,3 +86,21 @@ def test_dummy_step_input_is_pure_padding():
     assert step.bucket == (32, 8)
     assert (step.slot_mapping == PAD_SLOT_ID).all()
     assert (step.seq_lens == 0).all()
+
+
+def test_copies_ride_in_a_fixed_width_padded_array_and_replace_table_slots():
+    batch = make_batch()
+    greedy = SamplingParams(temperature=0.0)
+    batch.add_request("a", [1, 2, 3, 4, 5, 6], [7, 3], greedy, seed=1)
+    batch.replace_block_ids("a", [(1, 9)])  # slot 1 now names the copy, block 9
+    seqs = [ScheduledSeq("a", num_computed_tokens=5, num_new_tokens=1, num_output_tokens=0)]
+    step = batch.prepare(seqs, [(3, 9)])
+    np.testing.assert_array_equal(step.block_tables[0, :3], [7, 9, 0])
+    np.testing.assert_array_equal(step.slot_mapping[:1], [9 * 4 + 1])  # written into the copy
+    assert step.copy_src.shape == step.copy_dst.shape == (8,)  # max_num_seqs: one shape
+    np.testing.assert_array_equal(step.copy_src[:1], [3])
+    np.testing.assert_array_equal(step.copy_dst, [9] + [PAD_SLOT_ID] * 7)
+    plain = batch.prepare(seqs)
+    assert (plain.copy_dst == PAD_SLOT_ID).all()
+    dummy = batch.dummy_step_input(16, 8)
+    assert dummy.copy_dst.shape == (8,) and (dummy.copy_dst == PAD_SLOT_ID).all()
