@@ -24,7 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--check-invariants", action="store_true", help="check the KV manager every step (slow)"
     )
+    parser.add_argument(
+        "--forks",
+        action="store_true",
+        help="run the fork study (beam search, parallel sampling) instead; summary e.g. "
+        "docs/memory_study_forks.md",
+    )
     args = parser.parse_args(argv)
+    if args.forks:
+        return _forks(args, argv)
 
     from paged_jax.memory_study import markdown, plots, report
 
@@ -39,6 +47,34 @@ def main(argv: list[str] | None = None) -> int:
     figures = plots.make_all(study, args.figures)
     markdown.write_markdown(summary, figures, md_path, json_path)
     print(f"wrote {md_path}, {json_path} and {len(figures)} figures in {args.figures}")
+    return 0
+
+
+def _forks(args, argv) -> int:
+    import json
+
+    from paged_jax.memory_study import forks
+
+    settings = forks.SMALL_FORKS if args.small else forks.ForkStudySettings()
+    settings = dataclasses.replace(settings, seed=args.seed)
+    command = "python scripts/memory_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    summary = forks.run_fork_study(settings, progress=print)
+    summary["command"] = command
+    md_path = pathlib.Path(args.summary)
+    json_path = pathlib.Path(args.json) if args.json else md_path.with_suffix(".json")
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    fig_dir = pathlib.Path(args.figures)
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    fig = fig_dir / "forks.png"
+    forks.plot_forks(summary, fig)
+    rel_fig = (
+        pathlib.Path(*fig.parts[len(md_path.parent.parts) :])
+        if fig.is_relative_to(md_path.parent)
+        else fig
+    )
+    md_path.write_text(forks.fork_markdown(summary, str(rel_fig), json_path.name, command))
+    print(f"wrote {md_path}, {json_path} and {fig}")
     return 0
 
 
