@@ -1,6 +1,6 @@
 """Beam search and n>1 sampling: forks (shared KV, copy-on-write) vs independent requests.
 
-    python scripts/bench_beam.py                      # built-in random Llama, a few min on CPU
+    python scripts/bench_beam.py --output docs/beam_benchmark.json   # random Llama, CPU
     python scripts/bench_beam.py --num-prompts 4 --beam-width 2 --max-tokens 8
 
 Beam search: every step's beams as forks of their parents (paged-jax) vs every beam
@@ -26,15 +26,15 @@ def _parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: random Llama)")
     p.add_argument("--output", default="bench_results/bench_beam.json")
-    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=200)
     p.add_argument("--beam-width", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--n", type=int, default=4, help="parallel samples per prompt")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

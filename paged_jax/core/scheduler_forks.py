@@ -60,4 +60,8 @@ def add_fork_rows_and_copies(sched: Scheduler, out: SchedulerOutput) -> None:
         req = sched.requests.get(rid)
         if req is None or req.status != RequestStatus.RUNNING or rid in new_rows:
             continue
+        # The input batch holds group 0's table (as NewRow and new_block_ids do).
+        assert all(group == 0 for group, _, _ in updates), (
+            "a copy-on-write in a second KV-cache group: the input batch has one table"
+        )
         out.replaced_block_ids[rid] = [(index, block_id) for _, index, block_id in updates]

@@ -63,7 +63,7 @@ class BeamModel:
 
 @dataclasses.dataclass(frozen=True)
 class ForkStudySettings:
-    """Sizes of the fork study (defaults: the published run, about a minute on 2 cores)."""
+    """Sizes of the fork study (defaults: the published run, ~15 min on a busy 2-core box)."""
 
     num_prompts: dict = dataclasses.field(default_factory=lambda: {"alpaca": 200, "sharegpt": 60})
     widths: tuple[int, ...] = (2, 4, 6)

@@ -77,3 +77,42 @@ def test_bad_prompts_raise_naming_the_index_and_nothing_runs(llm):
         LLM("/nonexistent", max_seqs=4)
     with pytest.raises(FileNotFoundError, match="must be a Hugging Face model directory"):
         LLM("/nonexistent/dir")
+
+
+def test_beam_search_api_returns_vllm_shaped_outputs_equal_to_transformers(llm, model_dir):
+    import torch
+    import transformers
+
+    from paged_jax import BeamSearchParams
+
+    prompts = ["Hello paged", [5, 6, 7, 8, 9]]
+    params = BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True, length_penalty=0.0)
+    outs = llm.beam_search(prompts, params)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    assert len(outs) == 2
+    for prompt, out in zip(prompts, outs):
+        ids = llm.encode(prompt) if isinstance(prompt, str) else prompt
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            want = hf.generate(
+                t,
+                attention_mask=torch.ones_like(t),
+                num_beams=2,
+                num_return_sequences=2,
+                max_new_tokens=5,
+                do_sample=False,
+                length_penalty=0.0,
+                eos_token_id=None,
+                pad_token_id=0,
+            ).tolist()
+        assert [s.tokens for s in out.sequences] == want  # prompt + generated, best first
+        assert out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
+        for s in out.sequences:
+            assert s.text == llm.decode(s.tokens) and s.finish_reason == "length"
+    with pytest.raises(ValueError, match="params=.* must be a BeamSearchParams"):
+        llm.beam_search(prompts, SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\]=.* must be a non-empty list of token ids"):
+        llm.beam_search([[1, 999]], params)
