@@ -52,7 +52,9 @@ def add_fork_rows_and_copies(sched: Scheduler, out: SchedulerOutput) -> None:
         rid = child.request_id
         new_rows.add(rid)
         out.new_block_ids.pop(rid, None)
-        out.new_rows.append(NewRow(rid, list(child.all_token_ids), sched.kv.get_block_ids(rid), 0))
+        out.new_rows.append(
+            NewRow(rid, list(child.all_token_ids), sched.kv.get_block_ids_per_group(rid), 0)
+        )
     sched._forked = []
     copies = sched.kv.take_pending_copies()
     out.block_copies = copies.pairs
@@ -60,8 +62,4 @@ def add_fork_rows_and_copies(sched: Scheduler, out: SchedulerOutput) -> None:
         req = sched.requests.get(rid)
         if req is None or req.status != RequestStatus.RUNNING or rid in new_rows:
             continue
-        # The input batch holds group 0's table (as NewRow and new_block_ids do).
-        assert all(group == 0 for group, _, _ in updates), (
-            "a copy-on-write in a second KV-cache group: the input batch has one table"
-        )
-        out.replaced_block_ids[rid] = [(index, block_id) for _, index, block_id in updates]
+        out.replaced_block_ids[rid] = list(updates)

@@ -63,9 +63,11 @@ class SchedulerOutput:
     # Requests finished with an error while scheduling (they can never fit).
     errored: list[Request] = dataclasses.field(default_factory=list)
     # Copy-on-write: (src, dst) block copies run on device before this step's KV writes,
-    # and the table slots (req_id -> [(index, new block id)]) that now name the copies.
+    # and the table slots (req_id -> [(group, index, new block id)]) that name the copies.
     block_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    replaced_block_ids: dict[str, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    replaced_block_ids: dict[str, list[tuple[int, int, int]]] = dataclasses.field(
+        default_factory=dict
+    )
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -211,9 +211,9 @@ def test_scheduler_fork_sends_the_child_row_and_the_copies_with_the_next_step():
     assert [(q.req_id, q.num_new_tokens) for q in out.scheduled] == [("p", 1), ("c", 1)]
     # The parent writes first and copies; the child is then block 3's only holder.
     assert out.block_copies == [(3, 4)]
-    assert out.replaced_block_ids == {"p": [(2, 4)]}
+    assert out.replaced_block_ids == {"p": [(0, 2, 4)]}
     assert [(r.req_id, r.token_ids, r.block_ids) for r in out.new_rows] == [
-        ("c", list(range(10)) + [8], [1, 2, 3])
+        ("c", list(range(10)) + [8], ([1, 2, 3],))
     ]
     s.kv.check_invariants()
     with pytest.raises(ValueError, match="parent_id='x' must name a running request"):

@@ -92,7 +92,7 @@ def test_copies_ride_in_a_fixed_width_padded_array_and_replace_table_slots():
     batch = make_batch()
     greedy = SamplingParams(temperature=0.0)
     batch.add_request("a", [1, 2, 3, 4, 5, 6], [7, 3], greedy, seed=1)
-    batch.replace_block_ids("a", [(1, 9)])  # slot 1 now names the copy, block 9
+    batch.replace_block_ids("a", [(0, 1, 9)])  # slot 1 now names the copy, block 9
     seqs = [ScheduledSeq("a", num_computed_tokens=5, num_new_tokens=1, num_output_tokens=0)]
     step = batch.prepare(seqs, [(3, 9)])
     np.testing.assert_array_equal(step.block_tables[0, :3], [7, 9, 0])
