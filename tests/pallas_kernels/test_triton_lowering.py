@@ -210,6 +210,7 @@ def _lower_step(runner: Runner, step) -> str:
         feed,
         attn,
         samp,
+        (step.copy_src, step.copy_dst),
     )
     return lower_for_cuda(runner._step, *jax.tree.map(spec, args))
 
@@ -219,8 +220,11 @@ def test_engine_step_lowers_for_cuda_with_kernel_calls_per_layer(pallas_runner, 
     runner, batch = pallas_runner
     text = _lower_step(runner, batch.dummy_step_input(16, 8, decode_only=decode_only))
     attention = "paged_decode_attention" if decode_only else "ragged_paged_attention"
-    # Per layer: one KV write and one attention kernel; decode-only steps take the
-    # decode kernel (all q heads of a KV head in one tile) and never the ragged one.
+    # Per layer: one copy-on-write block copy (padded, before the writes), one KV write
+    # and one attention kernel; decode-only steps take the decode kernel (all q heads
+    # of a KV head in one tile) and never the ragged one.
     expected = {name: 0 for name in KERNEL_NAMES}
-    expected.update({"paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS})
+    expected.update(
+        {"paged_copy_blocks": NUM_LAYERS, "paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS}
+    )
     assert kernel_calls(text) == expected
