@@ -258,6 +258,83 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def run_engine_host(num_seqs: int, num_steps: int, *, async_scheduling: bool = True) -> dict:
+    """Engine host time per decode step at a full batch of num_seqs (SumModel, CPU).
+
+    Every request decodes for the whole measured window, so each measured step
+    schedules exactly num_seqs sequences. Host time is a step() call's wall time less
+    its wait for device tokens; the parts (scheduler, input packing, the jitted call's
+    dispatch, reading outputs) are timed by wrapping the engine's own methods.
+    """
+    from paged_jax.config import EngineConfig
+    from paged_jax.engine import Engine
+    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.testing.fake_model import SumModel, SumModelConfig
+
+    prompt_len, warm = 4, 4
+    max_len = prompt_len + warm + num_steps + 4
+    model = SumModel(SumModelConfig(vocab_size=97, max_position_embeddings=max_len))
+    engine = Engine(
+        model,
+        EngineConfig(
+            block_size=16,
+            num_kv_blocks=num_seqs * -(-max_len // 16) + 1,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max(num_seqs * prompt_len, 16),
+            max_model_len=max_len,
+            attention_backend="reference",
+            async_scheduling=async_scheduling,
+        ),
+    )
+    params = SamplingParams(temperature=0, max_tokens=warm + num_steps + 2, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"r{i}", [1 + i % 90, 2, 3, 4], params)
+    # CPU time of this (the host) thread: on a shared, oversubscribed machine wall time
+    # also counts the time the process waits for a core; thread CPU time does not.
+    cpu = time.thread_time
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = cpu()
+            r = fn(*a, **k)
+            parts[name].append(cpu() - t)
+            return r
+
+        return wrapper
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.input_batch.prepare = timed("prepare", engine.input_batch.prepare)
+    engine.runner.dispatch = timed("dispatch", engine.runner.dispatch)
+    engine._process_outputs = timed("process_outputs", engine._process_outputs)
+    for _ in range(warm):  # prefill + first decodes; compiles happen here
+        engine.step()
+    for v in parts.values():
+        v.clear()
+    engine._host_times.clear()
+    gc.collect()
+    step_cpu = []
+    for _ in range(num_steps):
+        t = cpu()
+        engine.step()
+        step_cpu.append(cpu() - t)
+    wall = engine._host_times
+
+    def us(values: list[float]) -> float:
+        return round(1e6 * statistics.median(values), 1) if values else 0.0
+
+    return {
+        "num_seqs": num_seqs,
+        "num_steps": num_steps,
+        "async_scheduling": async_scheduling,
+        "host_cpu_us_per_step": {"median": us(step_cpu), "min": round(1e6 * min(step_cpu), 1)},
+        "host_cpu_us_per_seq": round(1e6 * statistics.median(step_cpu) / num_seqs, 3),
+        "host_wall_us_per_step": {"median": us(wall), "min": round(1e6 * min(wall), 1)},
+        "parts_cpu_us_per_step_median": {name: us(v) for name, v in parts.items()},
+        "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-requests", type=int, default=2000)
@@ -271,10 +348,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-system-prompts", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine-seqs",
+        type=int,
+        default=256,
+        help="also time the engine's host step at this decode batch (0: skip; imports jax)",
+    )
+    parser.add_argument("--engine-steps", type=int, default=50)
     parser.add_argument("--output", type=pathlib.Path, default="bench_results/bench_host.json")
     args = parser.parse_args(argv)
 
     result = run(args)
+    if args.engine_seqs:
+        result["engine_host"] = [
+            run_engine_host(args.engine_seqs, args.engine_steps, async_scheduling=mode)
+            for mode in (True, False)
+        ]
     text = json.dumps(result, indent=2)
     print(text)
     args.output.parent.mkdir(parents=True, exist_ok=True)
