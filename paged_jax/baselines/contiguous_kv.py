@@ -1,17 +1,26 @@
 """Contiguous-KV baseline: the pre-PagedAttention design, for the engine benchmark.
 
-Each admitted request reserves max_model_len token slots up front in a dense per-slot
-cache, so at a KV budget of B bytes at most B // (max_model_len * bytes_per_token)
-requests run at once, however short they are. Batching is continuous over the slots:
+Each admitted request reserves one contiguous run of token slots up front, sized by a
+reservation policy (the paper's Orca baselines): "max" = max_model_len, "pow2" = the
+next power of two >= its prompt + output, "oracle" = exactly prompt + output. The
+reservations are placed first-fit in a KV address space of the budget's size
+(`paged_jax.memory_study.allocators.FirstFitSpace`), so external fragmentation is real.
+Batching is continuous: a request is admitted when its reservation fits.
 
-    cache per layer: k, v f[max_concurrent, max_model_len, num_kv_heads, head_dim]
-    slot s: |prompt ... generated ...|..... reserved, never used .....|
-            ^ 0                      ^ kv_len                          ^ max_model_len
+    cache per layer: k, v f[rows, max_model_len, num_kv_heads, head_dim]
+    row r: |prompt ... generated ...|... unused ...|
+           ^ 0                      ^ kv_len
 
-Prefill runs one admitted request at a time (prompt padded to a power-of-two bucket);
-decode runs every slot at once with a fixed shape. Both are jitted once per shape and
-reuse the paged_jax model's own embedding, layers (projections, rotary, norms, MLP)
-and head; only the attention core reads the dense cache instead of the paged one.
+A request's reservation decides admission; its tokens live in its own cache row (for
+"max" the rows are exactly the budget; for "pow2"/"oracle" the rows are padded to
+max_model_len, which costs memory here but no time, see below).
+
+Attention reads only the live context, the same bound the paged engine's CPU path
+uses: decode attends over the first ceil((longest kv_len + 1) / 128) * 128 slots of the
+first (power-of-two bucket of) occupied rows, prefill over its prompt's bucket. Prefill
+runs one admitted request at a time (prompt padded to a power-of-two bucket). Both are
+jitted once per shape and reuse the paged_jax model's own embedding, layers
+(projections, rotary, norms, MLP) and head; only the attention core reads the dense cache.
 """
 
 from __future__ import annotations
@@ -27,8 +36,11 @@ import numpy as np
 from flax import nnx
 
 from paged_jax.baselines.workload import TraceRequest
+from paged_jax.memory_study.allocators import POLICIES, FirstFitSpace, reservation_size
 
 MIN_PREFILL_BUCKET = 16
+KV_CHUNK = 128  # decode reads the live context rounded up to this many slots
+MIN_DECODE_ROWS = 8
 
 
 def max_concurrent_for_budget(budget_bytes: int, max_model_len: int, bytes_per_token: int) -> int:
@@ -79,6 +91,7 @@ def _forward_dense_cache(
     kv_caches: list[tuple[jax.Array, jax.Array]],  # per layer f[slots, max_len, kv_heads, dim]
     rows: jax.Array | None,  # i32[batch] cache slot of each batch row; None: row b = slot b
     logits_index: jax.Array,  # i32[batch] query row whose logits are returned
+    bound: int,  # static: attention reads only cache columns [0, bound)
 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:  # f32[batch, vocab], caches
     """The model's forward with each layer's attention reading/writing a dense slot cache."""
     x = model._embed(token_ids, positions)
@@ -91,7 +104,11 @@ def _forward_dense_cache(
             q, k, v = attn._qkv(h, positions)
             k_cache = k_cache.at[write_rows, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[write_rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            k_rows, v_rows = (k_cache, v_cache) if rows is None else (k_cache[rows], v_cache[rows])
+            if rows is None:  # decode: the first `batch` rows
+                k_rows = k_cache[: token_ids.shape[0], :bound]
+                v_rows = v_cache[: token_ids.shape[0], :bound]
+            else:
+                k_rows, v_rows = k_cache[rows, :bound], v_cache[rows, :bound]
             out = _dense_cached_attention(
                 q,
                 k_rows,
@@ -133,20 +150,20 @@ class ContiguousKVRunner:
         def prefill(weights, kv_caches, token_ids, positions, slot, last):
             m = nnx.merge(graphdef, weights)
             logits, kv_caches = _forward_dense_cache(
-                m, token_ids, positions, kv_caches, slot[None], last[None]
+                m, token_ids, positions, kv_caches, slot[None], last[None], token_ids.shape[1]
             )
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)[0], kv_caches
 
-        def decode(weights, kv_caches, token_ids, positions):
+        def decode(weights, kv_caches, token_ids, positions, bound):
             m = nnx.merge(graphdef, weights)
             zeros = jnp.zeros(token_ids.shape[0], jnp.int32)
             logits, kv_caches = _forward_dense_cache(
-                m, token_ids[:, None], positions[:, None], kv_caches, None, zeros
+                m, token_ids[:, None], positions[:, None], kv_caches, None, zeros, bound
             )
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_caches
 
         self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,))
+        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(4,))
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -170,19 +187,56 @@ class ContiguousKVRunner:
         )
         return int(token)
 
+    @property
+    def decode_row_buckets(self) -> tuple[int, ...]:
+        """Rows a decode step computes: powers of two from 8, then all rows."""
+        buckets, b = [], MIN_DECODE_ROWS
+        while b < self.max_concurrent:
+            buckets.append(b)
+            b *= 2
+        return (*buckets, self.max_concurrent)
+
+    @property
+    def decode_bounds(self) -> tuple[int, ...]:
+        """Cache columns a decode step reads: multiples of KV_CHUNK, then max_model_len."""
+        return tuple(
+            sorted(
+                {
+                    min(c, self.max_model_len)
+                    for c in range(KV_CHUNK, self.max_model_len + KV_CHUNK, KV_CHUNK)
+                }
+            )
+        )
+
     def decode(
         self,
-        token_ids: np.ndarray,  # i32[max_concurrent]
-        positions: np.ndarray,  # i32[max_concurrent]; max_model_len for idle slots
-    ) -> np.ndarray:  # i32[max_concurrent]
-        """One token for every slot; idle slots' results are garbage and their writes dropped."""
-        tokens, self.kv_caches = self._decode(self.weights, self.kv_caches, token_ids, positions)
-        return np.asarray(jax.device_get(tokens))
+        token_ids: np.ndarray,  # i32[n]; n = the number of leading rows decoded
+        positions: np.ndarray,  # i32[n]; max_model_len for idle rows
+    ) -> np.ndarray:  # i32[n]
+        """One token for each of the first n rows; idle rows' results are garbage, writes dropped.
+
+        n is padded to a decode row bucket and the attention reads only the columns up to
+        the longest live position, rounded up to a KV_CHUNK multiple.
+        """
+        n = len(token_ids)
+        rows = next(b for b in self.decode_row_buckets if b >= n)
+        live = positions[positions < self.max_model_len]
+        top = int(live.max()) + 1 if live.size else 1
+        bound = next(b for b in self.decode_bounds if b >= top)
+        tok = np.zeros(rows, np.int32)
+        pos = np.full(rows, self.max_model_len, np.int32)
+        tok[:n], pos[:n] = token_ids, positions
+        tokens, self.kv_caches = self._decode(self.weights, self.kv_caches, tok, pos, bound)
+        return np.asarray(jax.device_get(tokens))[:n]
 
     def warmup(self) -> int:
-        """Compiles every prefill bucket and the decode step; returns the count."""
-        idle = np.full(self.max_concurrent, self.max_model_len, np.int32)
-        self.decode(np.zeros(self.max_concurrent, np.int32), idle)
+        """Compiles every prefill bucket and every decode (rows, bound) shape; returns the count."""
+        for rows in self.decode_row_buckets:
+            for bound in self.decode_bounds:
+                idle = np.full(rows, self.max_model_len, np.int32)
+                _, self.kv_caches = self._decode(
+                    self.weights, self.kv_caches, np.zeros(rows, np.int32), idle, bound
+                )
         for bucket in self.prefill_buckets:
             tokens = np.zeros((1, bucket), np.int32)
             positions = np.full((1, bucket), self.max_model_len, np.int32)  # all writes dropped
@@ -190,7 +244,7 @@ class ContiguousKVRunner:
                 self.weights, self.kv_caches, tokens, positions, np.int32(0), np.int32(0)
             )
         jax.block_until_ready(self.kv_caches)
-        return 1 + len(self.prefill_buckets)
+        return len(self.decode_row_buckets) * len(self.decode_bounds) + len(self.prefill_buckets)
 
 
 @dataclasses.dataclass
@@ -198,6 +252,7 @@ class _Slot:
     req: TraceRequest
     output: list[int]
     first_token_time: float
+    start: int  # first token slot of its reservation in the address space
 
     @property
     def kv_len(self) -> int:
@@ -216,25 +271,44 @@ class ContiguousOutput:
 
 
 class ContiguousKVEngine:
-    """FCFS continuous batching over contiguous slots; greedy, fixed output lengths.
+    """FCFS continuous batching over contiguous reservations; greedy, fixed output lengths.
 
-    Each step admits waiting requests into free slots (one prefill each), then decodes
-    one token for every running request. Utilization is sampled after every step.
+    Each step admits waiting requests, in order, while their reservations fit the address
+    space (head-of-line blocking; one prefill each), then decodes one token for every
+    running request. Utilization is sampled after every step.
 
     Args:
         model: a paged_jax.models model.
-        budget_bytes: KV memory budget; the cache gets budget // (max_model_len * bytes/token)
-            slots.
-        max_model_len: token slots each request reserves.
+        budget_bytes: KV memory budget: budget // bytes_per_token token slots.
+        max_model_len: the longest request (prompt + output).
+        policy: reservation size, one of POLICIES ("max", "pow2", "oracle").
+        max_num_seqs: most requests running at once (cache rows) for "pow2"/"oracle";
+            "max" gets exactly the budget's budget // (max_model_len * bytes) rows.
+        runner: a compiled runner to reuse (repeated benchmark runs).
     """
 
-    def __init__(self, model: Any, budget_bytes: int, max_model_len: int):
+    def __init__(
+        self,
+        model: Any,
+        budget_bytes: int,
+        max_model_len: int,
+        *,
+        policy: str = "max",
+        max_num_seqs: int = 64,
+        runner: ContiguousKVRunner | None = None,
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
         self.bytes_per_token = kv_bytes_per_token(model)
-        self.max_concurrent = max_concurrent_for_budget(
-            budget_bytes, max_model_len, self.bytes_per_token
-        )
+        full_rows = max_concurrent_for_budget(budget_bytes, max_model_len, self.bytes_per_token)
+        self.policy = policy
+        self.max_concurrent = full_rows if policy == "max" else max_num_seqs
         self.max_model_len = max_model_len
-        self.runner = ContiguousKVRunner(model, self.max_concurrent, max_model_len)
+        self.space = FirstFitSpace(budget_bytes // self.bytes_per_token)
+        if runner is None:
+            runner = ContiguousKVRunner(model, self.max_concurrent, max_model_len)
+        assert runner.max_concurrent == self.max_concurrent, "a reused runner must match"
+        self.runner = runner  # reusable across engines: its caches are overwritten per request
         self.waiting: collections.deque[TraceRequest] = collections.deque()
         self.slots: list[_Slot | None] = [None] * self.max_concurrent
         self.num_steps = 0
@@ -243,6 +317,11 @@ class ContiguousKVEngine:
         self.reserved_token_slots = 0  # summed over steps
         self.num_computed_tokens = 0  # real token rows through the model
         self.num_padded_tokens = 0  # rows including bucket padding and idle decode slots
+
+    def reservation(self, req: TraceRequest) -> int:
+        """Token slots the policy reserves for the request (its K/V: prompt + output - 1)."""
+        kv_len = req.num_prompt_tokens + req.num_output_tokens - 1
+        return reservation_size(self.policy, kv_len, self.max_model_len)
 
     def add_request(self, req: TraceRequest) -> None:
         """Queues a request; its prompt + output must fit max_model_len."""
@@ -261,8 +340,8 @@ class ContiguousKVEngine:
         return sum(s is not None for s in self.slots)
 
     def reserved_tokens(self) -> int:
-        """Token slots reserved now: max_model_len per running request."""
-        return self.num_running * self.max_model_len
+        """Token slots reserved now by running requests."""
+        return self.space.num_allocated
 
     def used_tokens(self) -> int:
         """Token slots holding a token's K/V now."""
@@ -275,32 +354,41 @@ class ContiguousKVEngine:
                 finished.append(
                     ContiguousOutput(s.req.request_id, s.output, s.first_token_time, now)
                 )
+                self.space.free(s.start)
                 self.slots[i] = None
+
+    def _admit(self) -> None:
+        while self.waiting and None in self.slots:
+            req = self.waiting[0]
+            start = self.space.alloc(self.reservation(req))
+            if start is None:
+                return  # head-of-line blocking, as the paged scheduler
+            self.waiting.popleft()
+            i = self.slots.index(None)
+            token = self.runner.prefill(i, req.prompt_token_ids)
+            self.num_computed_tokens += req.num_prompt_tokens
+            self.num_padded_tokens += next(
+                b for b in self.runner.prefill_buckets if b >= req.num_prompt_tokens
+            )
+            self.slots[i] = _Slot(req, [token], time.perf_counter(), start)
 
     def step(self) -> list[ContiguousOutput]:
         """Admits and prefills what fits, then one decode step; returns finished requests."""
         finished: list[ContiguousOutput] = []
-        for i in range(self.max_concurrent):
-            if self.slots[i] is None and self.waiting:
-                req = self.waiting.popleft()
-                token = self.runner.prefill(i, req.prompt_token_ids)
-                self.num_computed_tokens += req.num_prompt_tokens
-                self.num_padded_tokens += next(
-                    b for b in self.runner.prefill_buckets if b >= req.num_prompt_tokens
-                )
-                self.slots[i] = _Slot(req, [token], time.perf_counter())
+        self._admit()
         self._finish_done(finished)
         self.max_running = max(self.max_running, self.num_running)
         if self.num_running:
-            tokens = np.zeros(self.max_concurrent, np.int32)
-            positions = np.full(self.max_concurrent, self.max_model_len, np.int32)
-            for i, s in enumerate(self.slots):
+            n = 1 + max(i for i, s in enumerate(self.slots) if s is not None)
+            tokens = np.zeros(n, np.int32)
+            positions = np.full(n, self.max_model_len, np.int32)
+            for i, s in enumerate(self.slots[:n]):
                 if s is not None:
                     tokens[i], positions[i] = s.output[-1], s.kv_len
             sampled = self.runner.decode(tokens, positions)
             self.num_computed_tokens += self.num_running
-            self.num_padded_tokens += self.max_concurrent
-            for i, s in enumerate(self.slots):
+            self.num_padded_tokens += next(b for b in self.runner.decode_row_buckets if b >= n)
+            for i, s in enumerate(self.slots[:n]):
                 if s is not None:
                     s.output.append(int(sampled[i]))
         self.used_token_slots += self.used_tokens()

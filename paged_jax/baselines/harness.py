@@ -1,21 +1,28 @@
-"""The engine benchmark: paged engine vs contiguous-KV vs HF static batches, one trace.
+"""The engine benchmark's systems: the paged engine, contiguous-KV baselines, HF generate.
 
-All three systems get the same weights, the same trace, greedy decoding with EOS ignored
-(output lengths come from the trace) and the same KV budget in bytes. Warmup and
-compilation are excluded from the timings; all requests arrive at time 0 (offline).
+Each system is built (and compiled) once and then serves the same trace once per run():
+same weights, greedy decoding with EOS ignored (output lengths come from the trace).
+Warmup and compilation are excluded from the timings; all requests arrive at time 0.
+Import only what a process needs: the HF system never imports jax and the others never
+import torch (scripts/bench_engine.py runs each in its own process).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from paged_jax.baselines.contiguous_kv import ContiguousKVEngine, kv_bytes_per_token
 from paged_jax.baselines.workload import TraceRequest
 
-TARGET_CONCURRENCY_RATIO = 2.0
-TARGET_KV_UTILIZATION = 0.95
+if TYPE_CHECKING:
+    from paged_jax.baselines.contiguous_kv import ContiguousKVEngine
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    """Bytes one token's K and V take across all layers (the paged pool's per-token cost)."""
+    return int(model.kv_bytes_per_block(1))
 
 
 @dataclasses.dataclass
@@ -64,239 +71,250 @@ class SystemResult:
         }
 
 
-def run_paged(
-    model: Any,
-    trace: list[TraceRequest],
-    *,
-    budget_bytes: int,
-    block_size: int,
-    max_model_len: int,
-    max_num_seqs: int,
-    max_num_batched_tokens: int,
-    enable_prefix_caching: bool = True,
-    tensor_parallel_size: int = 1,
-    num_kv_blocks: int | None = None,
-    kv_cache_dtype: str = "auto",
-) -> SystemResult:
-    """Serves the trace with the paged engine, its pool sized to budget_bytes (null block in).
+class PagedSystem:
+    """The paged engine, built and warmed up once, serving the trace once per run().
 
-    num_kv_blocks, when given, overrides the budget (a tensor-parallel run keeps the
-    pool of its N=1 twin, so both schedule alike). kv_cache_dtype "fp8_e4m3"/"fp8_e5m2"
-    sizes the pool with 1-byte elements.
+    The pool is sized to budget_bytes (null block included). Between runs the prefix
+    cache is reset, so no run reuses blocks an earlier run computed.
     """
-    from paged_jax.config import EngineConfig
-    from paged_jax.engine import Engine
-    from paged_jax.sampling_params import SamplingParams
 
-    if num_kv_blocks is None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        budget_bytes: int,
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        async_scheduling: bool = True,
+        tensor_parallel_size: int = 1,
+        num_kv_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
+    ):
+        from paged_jax.config import EngineConfig
+        from paged_jax.engine import Engine
         from paged_jax.worker.kv_cache_dtype import kv_cache_jnp_dtype
 
-        kv_dtype = kv_cache_jnp_dtype(kv_cache_dtype)
-        num_kv_blocks = budget_bytes // int(model.kv_bytes_per_block(block_size, kv_dtype))
-    config = EngineConfig(
-        tensor_parallel_size=tensor_parallel_size,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        attention_backend="auto",
-        dtype=str(model.config.dtype),
-        num_kv_blocks=num_kv_blocks,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    engine = Engine(model, config)
-    t0 = time.perf_counter()
-    num_compiles = engine.warmup()
-    warmup_s = time.perf_counter() - t0
-    manager = engine.kv_cache_manager
-    device_s = [0.0]
-    computed = [0, 0]  # real, padded tokens through the model (recomputation included)
-    execute = engine.runner.execute
-
-    def timed_execute(step_input):  # jitted step incl. the host copy of its samples
-        t = time.perf_counter()
-        result = execute(step_input)
-        device_s[0] += time.perf_counter() - t
-        computed[0] += step_input.num_tokens
-        computed[1] += step_input.token_ids.shape[0]
-        return result
-
-    engine.runner.execute = timed_execute
-    start = time.perf_counter()
-    for r in trace:
-        params = SamplingParams(temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True)
-        engine.add_request(r.request_id, list(r.prompt_token_ids), params)
-    outputs: dict[str, list[int]] = {}
-    max_running = used = reserved = 0
-    while engine.has_unfinished():
-        finished = engine.step()
-        for out in finished:
-            outputs[out.request_id] = out.token_ids
-        running = engine.scheduler.running
-        max_running = max(max_running, len(running) + len(finished))
-        used += sum(req.num_computed_tokens for req in running)
-        reserved += (manager.num_usable_blocks - manager.num_free_blocks) * block_size
-    elapsed = time.perf_counter() - start
-    stats = engine.get_stats()
-    return SystemResult(
-        name="paged-jax",
-        elapsed_s=elapsed,
-        num_requests=len(outputs),
-        num_output_tokens=sum(map(len, outputs.values())),
-        max_concurrent_seqs=max_running,
-        kv_utilization=used / max(1, reserved),
-        outputs=outputs,
-        extra={
-            "num_kv_blocks": num_kv_blocks,
-            # All devices together (runner.bytes_per_block is one device's share).
-            "kv_pool_bytes": num_kv_blocks * engine.runner.bytes_per_block * tensor_parallel_size,
-            "kv_cache_dtype": kv_cache_dtype,
-            "block_size": block_size,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "enable_prefix_caching": enable_prefix_caching,
-            "warmup_s": warmup_s,
-            "num_warmup_shapes": num_compiles,
-            "num_steps": stats["num_steps"],
-            "runner_execute_s": device_s[0],
-            "num_computed_tokens": computed[0],
-            "num_padded_tokens": computed[1],
-            "median_step_ms": stats["step_time_ms"],
-            "num_preemptions": stats["num_preemptions"],
-            "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
-            "num_compiles_after_warmup": stats["num_compiles_after_warmup"],
-            "tensor_parallel_size": tensor_parallel_size,
-            "weight_bytes_per_device": stats["weight_bytes_per_device"],
-            "kv_cache_bytes_per_device": stats["kv_cache_bytes_per_device"],
-        },
-    )
-
-
-def run_contiguous(
-    model: Any, trace: list[TraceRequest], *, budget_bytes: int, max_model_len: int
-) -> SystemResult:
-    """Serves the trace with the contiguous-KV baseline at the same byte budget."""
-    engine = ContiguousKVEngine(model, budget_bytes, max_model_len)
-    t0 = time.perf_counter()
-    num_compiles = engine.runner.warmup()
-    warmup_s = time.perf_counter() - t0
-    start = time.perf_counter()
-    for r in trace:
-        engine.add_request(r)
-    outputs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            outputs[out.request_id] = out.token_ids
-    elapsed = time.perf_counter() - start
-    return SystemResult(
-        name="contiguous-kv",
-        elapsed_s=elapsed,
-        num_requests=len(outputs),
-        num_output_tokens=sum(map(len, outputs.values())),
-        max_concurrent_seqs=engine.max_running,
-        kv_utilization=engine.kv_utilization,
-        outputs=outputs,
-        extra={
-            "num_slots": engine.max_concurrent,
-            "kv_cache_bytes": engine.runner.cache_bytes,
-            "warmup_s": warmup_s,
-            "num_warmup_shapes": num_compiles,
-            "num_steps": engine.num_steps,
-            "num_computed_tokens": engine.num_computed_tokens,
-            "num_padded_tokens": engine.num_padded_tokens,
-        },
-    )
-
-
-def run_hf(
-    model_path: Any,
-    trace: list[TraceRequest],
-    *,
-    batch_size: int,
-    dtype: str,
-    num_threads: int | None = None,
-) -> SystemResult:
-    """Serves the trace with transformers generate in static batches of batch_size."""
-    from paged_jax.baselines.hf_generate import run_hf_generate
-
-    res = run_hf_generate(model_path, trace, batch_size, dtype=dtype, num_threads=num_threads)
-    return SystemResult(
-        name="hf-static",
-        elapsed_s=res.elapsed_s,
-        num_requests=len(res.outputs),
-        num_output_tokens=sum(map(len, res.outputs.values())),
-        max_concurrent_seqs=min(batch_size, len(trace)),
-        kv_utilization=res.kv_utilization,
-        outputs=res.outputs,
-        extra={
-            "batch_size": batch_size,
-            "torch_threads": num_threads,
-            "num_generated_tokens_incl_padding": res.num_generated_tokens,
-        },
-    )
-
-
-def _match_fraction(a: SystemResult, b: SystemResult) -> float:
-    same = sum(a.outputs.get(k) == v for k, v in b.outputs.items())
-    return same / max(1, len(b.outputs))
-
-
-def compare(results: dict[str, SystemResult]) -> dict[str, Any]:
-    """Ratios of the paged engine against each baseline, the targets, and output agreement."""
-    paged = results["paged-jax"]
-    ratios: dict[str, Any] = {}
-    targets: dict[str, Any] = {
-        "kv_utilization": {
-            "target": TARGET_KV_UTILIZATION,
-            "measured": paged.kv_utilization,
-            "met": paged.kv_utilization >= TARGET_KV_UTILIZATION,
-        }
-    }
-    agreement: dict[str, float] = {}
-    if "contiguous-kv" in results:
-        contig = results["contiguous-kv"]
-        conc = paged.max_concurrent_seqs / contig.max_concurrent_seqs
-        ratios["concurrency_paged_vs_contiguous"] = conc
-        ratios["throughput_paged_vs_contiguous"] = paged.tokens_per_s / contig.tokens_per_s
-        targets["concurrency_vs_contiguous"] = {
-            "target": TARGET_CONCURRENCY_RATIO,
-            "measured": conc,
-            "met": conc >= TARGET_CONCURRENCY_RATIO,
-        }
-        agreement["paged_vs_contiguous"] = _match_fraction(paged, contig)
-    if "hf-static" in results:
-        ratios["throughput_paged_vs_hf"] = paged.tokens_per_s / results["hf-static"].tokens_per_s
-        agreement["paged_vs_hf"] = _match_fraction(paged, results["hf-static"])
-    baselines = [k for k in ("contiguous-kv", "hf-static") if k in results]
-    if baselines:
-        ahead = all(paged.tokens_per_s > results[k].tokens_per_s for k in baselines)
-        targets["throughput_ahead_of_baselines"] = {"target": True, "met": ahead}
-    return {"ratios": ratios, "targets": targets, "greedy_output_agreement": agreement}
-
-
-def format_table(results: dict[str, SystemResult]) -> str:
-    """A fixed-width table of the headline figures, one row per system."""
-    header = (
-        f"{'system':<14} {'tok/s':>9} {'req/s':>7} {'max conc':>8} {'KV util':>8} "
-        f"{'time s':>8} {'out tok':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in results.values():
-        lines.append(
-            f"{r.name:<14} {r.tokens_per_s:>9.1f} {r.requests_per_s:>7.2f} "
-            f"{r.max_concurrent_seqs:>8d} {r.kv_utilization:>8.1%} {r.elapsed_s:>8.2f} "
-            f"{r.num_output_tokens:>8d}"
+        self.model = model
+        self.block_size = block_size
+        # Bytes of one block of the whole model (all devices), in the KV dtype.
+        self.block_bytes = int(model.kv_bytes_per_block(block_size, kv_cache_jnp_dtype(kv_cache_dtype)))
+        # num_kv_blocks overrides the budget (a tensor-parallel run keeps the pool of its
+        # N=1 twin, so both schedule alike).
+        self.num_kv_blocks = (
+            budget_bytes // self.block_bytes if num_kv_blocks is None else num_kv_blocks
         )
-    return "\n".join(lines)
+        self.config = EngineConfig(
+            tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype,
+            block_size=block_size,
+            num_kv_blocks=self.num_kv_blocks,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            attention_backend="auto",
+            dtype=str(model.config.dtype),
+            async_scheduling=async_scheduling,
+        )
+        self.engine = Engine(model, self.config)
+        t0 = time.perf_counter()
+        self.num_warmup_shapes = self.engine.warmup()
+        self.warmup_s = time.perf_counter() - t0
+        self._counts = [0, 0, 0]  # scheduled sequences, real tokens, padded tokens
+        dispatch = self.engine.runner.dispatch
+
+        def counted(step_input):
+            self._counts[0] += step_input.num_seqs
+            self._counts[1] += step_input.num_tokens
+            self._counts[2] += step_input.token_ids.shape[0]
+            return dispatch(step_input)
+
+        self.engine.runner.dispatch = counted
+
+    def run(self, trace: list[TraceRequest]) -> SystemResult:
+        from paged_jax.sampling_params import SamplingParams
+
+        engine, manager, cfg = self.engine, self.engine.kv_cache_manager, self.config
+        manager.reset_prefix_cache()
+        self._counts[:] = [0, 0, 0]
+        steps0, pre0 = engine.get_stats()["num_steps"], engine.scheduler.num_preemptions
+        host0 = len(engine._host_times)
+        step_cpu = 0.0
+        start = time.perf_counter()
+        for r in trace:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=r.num_output_tokens, ignore_eos=True
+            )
+            engine.add_request(r.request_id, list(r.prompt_token_ids), params)
+        outputs: dict[str, list[int]] = {}
+        max_running = used = reserved = 0
+        while engine.has_unfinished():
+            c0 = time.thread_time()
+            finished = engine.step()
+            step_cpu += time.thread_time() - c0
+            for out in finished:
+                outputs[out.request_id] = out.token_ids
+            running = engine.scheduler.running
+            max_running = max(max_running, len(running) + len(finished))
+            used += sum(req.num_computed_tokens for req in running)
+            reserved += (manager.num_usable_blocks - manager.num_free_blocks) * self.block_size
+        elapsed = time.perf_counter() - start
+        stats = engine.get_stats()
+        host = engine._host_times[host0:]
+        num_seqs = max(1, self._counts[0])
+        return SystemResult(
+            name="paged-jax",
+            elapsed_s=elapsed,
+            num_requests=len(outputs),
+            num_output_tokens=sum(map(len, outputs.values())),
+            max_concurrent_seqs=max_running,
+            kv_utilization=used / max(1, reserved),
+            outputs=outputs,
+            extra={
+                "num_kv_blocks": self.num_kv_blocks,
+                "kv_pool_bytes": self.num_kv_blocks * self.block_bytes,
+                "kv_cache_dtype": cfg.kv_cache_dtype,
+                "tensor_parallel_size": cfg.tensor_parallel_size,
+                "weight_bytes_per_device": stats["weight_bytes_per_device"],
+                "kv_cache_bytes_per_device": stats["kv_cache_bytes_per_device"],
+                "block_size": self.block_size,
+                "max_num_seqs": cfg.max_num_seqs,
+                "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "async_scheduling": cfg.async_scheduling,
+                "warmup_s": self.warmup_s,
+                "num_warmup_shapes": self.num_warmup_shapes,
+                "num_steps": stats["num_steps"] - steps0,
+                "num_scheduled_seqs": self._counts[0],
+                "num_computed_tokens": self._counts[1],
+                "num_padded_tokens": self._counts[2],
+                "host_wall_ms_per_step_median": 1e3 * statistics.median(host) if host else 0.0,
+                "host_wall_us_per_seq": 1e6 * sum(host) / num_seqs,
+                "host_thread_cpu_us_per_seq": 1e6 * step_cpu / num_seqs,
+                "num_preemptions": engine.scheduler.num_preemptions - pre0,
+                "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
+                "num_compiles_after_warmup": stats["num_compiles_after_warmup"],
+            },
+        )
+
+
+def run_paged(model: Any, trace: list[TraceRequest], **kwargs: Any) -> SystemResult:
+    """Builds a PagedSystem (keywords as its constructor) and serves the trace once."""
+    return PagedSystem(model, **kwargs).run(trace)
+
+
+class ContiguousSystem:
+    """The contiguous-KV baseline under one reservation policy, compiled once."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        budget_bytes: int,
+        max_model_len: int,
+        policy: str,
+        max_num_seqs: int,
+    ):
+        self.model, self.budget_bytes, self.max_model_len = model, budget_bytes, max_model_len
+        self.policy, self.max_num_seqs = policy, max_num_seqs
+        self.runner = None
+        engine = self._engine()
+        t0 = time.perf_counter()
+        self.num_warmup_shapes = engine.runner.warmup()
+        self.warmup_s = time.perf_counter() - t0
+        self.runner = engine.runner
+
+    def _engine(self) -> ContiguousKVEngine:
+        from paged_jax.baselines.contiguous_kv import ContiguousKVEngine
+
+        return ContiguousKVEngine(
+            self.model,
+            self.budget_bytes,
+            self.max_model_len,
+            policy=self.policy,
+            max_num_seqs=self.max_num_seqs,
+            runner=self.runner,
+        )
+
+    def run(self, trace: list[TraceRequest]) -> SystemResult:
+        engine = self._engine()
+        start = time.perf_counter()
+        for r in trace:
+            engine.add_request(r)
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.request_id] = out.token_ids
+        elapsed = time.perf_counter() - start
+        return SystemResult(
+            name=f"contiguous-{self.policy}",
+            elapsed_s=elapsed,
+            num_requests=len(outputs),
+            num_output_tokens=sum(map(len, outputs.values())),
+            max_concurrent_seqs=engine.max_running,
+            kv_utilization=engine.kv_utilization,
+            outputs=outputs,
+            extra={
+                "policy": self.policy,
+                "budget_token_slots": engine.space.size,
+                "cache_rows": engine.max_concurrent,
+                "kv_cache_bytes": engine.runner.cache_bytes,
+                "warmup_s": self.warmup_s,
+                "num_warmup_shapes": self.num_warmup_shapes,
+                "num_steps": engine.num_steps,
+                "num_computed_tokens": engine.num_computed_tokens,
+                "num_padded_tokens": engine.num_padded_tokens,
+            },
+        )
+
+
+class HFSystem:
+    """transformers generate in length-sorted static batches; the model is loaded once."""
+
+    def __init__(self, model_path: Any, *, dtype: str, num_threads: int | None):
+        import torch
+        import transformers
+
+        self.model_path, self.dtype, self.num_threads = model_path, dtype, num_threads
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype)
+        ).eval()
+
+    def run(self, trace: list[TraceRequest], batch_size: int) -> SystemResult:
+        from paged_jax.baselines.hf_generate import run_hf_generate
+
+        res = run_hf_generate(
+            self.model_path,
+            trace,
+            batch_size,
+            dtype=self.dtype,
+            num_threads=self.num_threads,
+            model=self.model,
+        )
+        return SystemResult(
+            name="hf-static",
+            elapsed_s=res.elapsed_s,
+            num_requests=len(res.outputs),
+            num_output_tokens=sum(map(len, res.outputs.values())),
+            max_concurrent_seqs=res.max_concurrent_seqs,
+            kv_utilization=res.kv_utilization,
+            outputs=res.outputs,
+            extra={
+                "batch_size": batch_size,
+                "torch_threads": res.num_threads,
+                "length_sorted_batches": True,
+                "num_generated_tokens_incl_padding": res.num_generated_tokens,
+            },
+        )
 
 
 __all__ = [
+    "ContiguousSystem",
+    "HFSystem",
+    "PagedSystem",
     "SystemResult",
-    "compare",
-    "format_table",
     "kv_bytes_per_token",
-    "run_contiguous",
-    "run_hf",
-    "run_paged",
 ]

@@ -1,9 +1,11 @@
 """Hugging Face transformers baseline: static batches, left padding, greedy generate (torch).
 
-Requests are taken in trace order, batch_size at a time. Every row of a batch is padded
-to the batch's longest prompt and runs for the batch's longest output, so short requests
-hold their rows (and KV) until the whole batch ends: that waste is what is measured.
-torch and transformers are imported inside the functions only.
+As a competent user would run it: requests sorted by length (prompt, then output) so each
+batch pads little, batch_size at a time. Every row of a batch is still padded to the
+batch's longest prompt and runs for the batch's longest output, so short requests hold
+their rows (and KV) until the whole batch ends. The KV actually held is measured on the
+model's cache at every forward call. torch and transformers are imported inside the
+functions only.
 """
 
 from __future__ import annotations
@@ -62,10 +64,14 @@ class HFResult:
     Attributes:
         outputs: request id -> the requested number of generated tokens.
         elapsed_s: wall time of all batches (warmup excluded).
-        batch_size: rows per static batch (the most sequences in flight).
-        kv_utilization: over all decode steps, token slots of unfinished requests /
-            token slots of the padded batch cache (rows x (padded prompt + step)).
+        batch_size: rows per static batch.
+        kv_utilization: summed over forward calls with a cache, the attention-mask
+            positions of rows whose request still needs tokens / the cache's allocated
+            token slots (rows x cache length), both read from the live tensors.
         num_generated_tokens: tokens generated including the padding-induced extra ones.
+        max_concurrent_seqs: most rows, over forward calls, whose request still needed
+            tokens (measured, not the batch size).
+        num_threads: torch intra-op threads used.
     """
 
     outputs: dict[str, list[int]]
@@ -73,21 +79,34 @@ class HFResult:
     batch_size: int
     kv_utilization: float
     num_generated_tokens: int
+    max_concurrent_seqs: int = 0
+    num_threads: int = 0
 
 
-def static_batch_utilization(batch: list[TraceRequest]) -> tuple[int, int]:
-    """(used, reserved) token slots of one static batch, summed over its decode steps.
+class _KVMeter:
+    """Forward pre-hook that reads the live KV cache's size at every decode call.
 
-    After step t (t = 1 .. max output) the padded cache has prompt_max + t - 1 columns per
-    row; a request still generating (t <= its output length) holds p + t - 1 useful ones.
+    Reserved slots are the cache tensor's rows x length, read from the tensor; a row's
+    held tokens are its prompt plus the tokens generated so far, counted only while its
+    request still needs tokens (rows run to the batch's longest output).
     """
-    prompt_max = max(r.num_prompt_tokens for r in batch)
-    steps = max(r.num_output_tokens for r in batch)
-    used = reserved = 0
-    for t in range(1, steps + 1):
-        reserved += len(batch) * (prompt_max + t - 1)
-        used += sum(r.num_prompt_tokens + t - 1 for r in batch if r.num_output_tokens >= t)
-    return used, reserved
+
+    def __init__(self) -> None:
+        self.used = self.reserved = self.max_live = 0
+        self.need: list[int] = []  # per row: tokens its request asked for
+        self.prompts: list[int] = []  # per row: prompt length
+
+    def __call__(self, module: Any, args: Any, kwargs: dict) -> None:
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is None or cache.get_seq_length() == 0:
+            return  # the prefill call: no cache yet
+        keys = cache.layers[0].keys  # f[rows, kv_heads, cache_len, head_dim]
+        rows, cache_len = int(keys.shape[0]), int(keys.shape[2])
+        generated = cache_len - max(self.prompts) + 1  # tokens each row has produced
+        live = [i for i in range(rows) if self.need[i] > generated]  # wants this call's token
+        self.reserved += rows * cache_len
+        self.used += sum(self.prompts[i] + generated - 1 for i in live)
+        self.max_live = max(self.max_live, len(live))
 
 
 def _generate_batch(model: Any, batch: list[TraceRequest], pad_token_id: int, gen_config: Any):
@@ -112,17 +131,21 @@ def run_hf_generate(
     *,
     dtype: str = "float32",
     num_threads: int | None = None,
+    sort_by_length: bool = True,
+    model: Any = None,
 ) -> HFResult:
     """Greedy generate over the trace in static batches of `batch_size` (EOS ignored).
 
     Args:
         model_path: Hugging Face checkpoint directory.
-        trace: the requests, taken in order.
+        trace: the requests.
         batch_size: rows per static batch.
         dtype: torch dtype name of the weights.
         num_threads: torch intra-op threads while it runs (restored after); None keeps
-            torch's default. On a shared, oversubscribed CPU torch's OpenMP pool can be
-            several times slower with more threads than free cores.
+            torch's default.
+        sort_by_length: batch requests in order of (prompt, output) length, so a batch
+            pads little; False takes them in trace order.
+        model: an already loaded transformers model (skips loading; repeated runs).
 
     Returns:
         The measured HFResult; one small batch is run first as an untimed warmup.
@@ -134,9 +157,13 @@ def run_hf_generate(
 
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=getattr(torch, dtype)
-    ).eval()
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=getattr(torch, dtype)
+        ).eval()
+    if sort_by_length:
+        trace = sorted(trace, key=lambda r: (r.num_prompt_tokens, r.num_output_tokens))
+    meter = _KVMeter()
     # ignore_eos: every row runs to max_new_tokens. generate() fills a None in the given
     # config from model.generation_config, so EOS has to be unset there too.
     model.generation_config.eos_token_id = None
@@ -148,20 +175,33 @@ def run_hf_generate(
     old_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    threads = torch.get_num_threads()
+    hook = model.register_forward_pre_hook(meter, with_kwargs=True)
     try:
+        meter.need, meter.prompts = [1 << 30] * batch_size, [1 << 30] * batch_size
         _generate_batch(model, trace[: min(2, len(trace))], pad, gen_config)  # warmup
+        meter.used = meter.reserved = meter.max_live = 0
         outputs: dict[str, list[int]] = {}
-        used = reserved = generated = 0
+        generated = 0
         start = time.perf_counter()
         for b in range(0, len(trace), batch_size):
             batch = trace[b : b + batch_size]
+            meter.need = [r.num_output_tokens for r in batch]
+            meter.prompts = [r.num_prompt_tokens for r in batch]
             new_tokens = _generate_batch(model, batch, pad, gen_config)
             generated += new_tokens.numel()
             for i, r in enumerate(batch):
                 outputs[r.request_id] = new_tokens[i, : r.num_output_tokens].tolist()
-            u, rsv = static_batch_utilization(batch)
-            used, reserved = used + u, reserved + rsv
         elapsed = time.perf_counter() - start
     finally:
+        hook.remove()
         torch.set_num_threads(old_threads)
-    return HFResult(outputs, elapsed, batch_size, used / max(1, reserved), generated)
+    return HFResult(
+        outputs,
+        elapsed,
+        batch_size,
+        meter.used / max(1, meter.reserved),
+        generated,
+        max_concurrent_seqs=meter.max_live,
+        num_threads=threads,
+    )

@@ -9,7 +9,6 @@ from paged_jax.baselines.contiguous_kv import (
     kv_bytes_per_token,
     max_concurrent_for_budget,
 )
-from paged_jax.baselines.hf_generate import static_batch_utilization
 from paged_jax.baselines.workload import TraceRequest
 
 # Tiny Llama of the fixture: 2 layers, 2 KV heads of dim 64 / 4 = 16, float32.
@@ -55,11 +54,48 @@ def test_engine_reserves_max_model_len_per_request(tiny_llama):
         engine.add_request(_req(9, 60, 5))
 
 
-def test_static_batch_utilization_by_hand():
-    # prompts 2 and 4 (padded to 4), outputs 1 and 3: cache columns 4, 5, 6 over 3 steps.
-    # used: t=1: 2 + 4; t=2: 5 (first request done); t=3: 6.  reserved: 2 * (4 + 5 + 6).
-    batch = [_req(0, 2, 1), _req(1, 4, 3)]
-    assert static_batch_utilization(batch) == (17, 30)
+def test_pow2_and_oracle_reserve_by_policy_first_fit(tiny_llama):
+    # kv_len = prompt + output - 1: 5+4-1 = 8, 9+8-1 = 16, 20+13-1 = 32.
+    trace = [_req(0, 5, 4), _req(1, 9, 8), _req(2, 20, 13)]
+    for policy, sizes in (("pow2", [8, 16, 32]), ("oracle", [8, 16, 32])):
+        engine = ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy=policy)
+        assert [engine.reservation(r) for r in trace] == sizes
+    # 40 slots: pow2 fits 8 + 16, the 32-slot request waits until a reservation is freed.
+    engine = ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy="pow2")
+    for r in trace:
+        engine.add_request(r)
+    engine.step()
+    assert engine.num_running == 2 and engine.reserved_tokens() == 24
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o.token_ids) for o in engine.step())
+    assert [len(outs[r.request_id]) for r in trace] == [4, 8, 13]
+    assert engine.reserved_tokens() == 0
+    # A 3-token request reserves exactly what it writes under oracle (pow2 would take 4).
+    oracle = ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy="oracle")
+    assert oracle.reservation(_req(3, 2, 2)) == 3
+    with pytest.raises(ValueError, match="policy='best' must be one of"):
+        ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy="best")
+
+
+def test_decode_reads_only_the_live_context(tiny_llama):
+    engine = ContiguousKVEngine(tiny_llama, 1000 * BYTES_PER_TOKEN, 512, policy="oracle")
+    runner = engine.runner
+    assert runner.decode_bounds == (128, 256, 384, 512)
+    assert runner.decode_row_buckets == (8, 16, 32, 64)
+    seen = []
+    real = runner._decode
+
+    def spy(weights, caches, tokens, positions, bound):
+        seen.append((tokens.shape[0], bound))
+        return real(weights, caches, tokens, positions, bound)
+
+    runner._decode = spy
+    engine.add_request(_req(0, 100, 40))  # positions 100 .. 138: bound 128, then 256
+    while engine.has_unfinished():
+        engine.step()
+    assert seen[0] == (8, 128) and seen[-1] == (8, 256)
+    assert {b for _, b in seen} == {128, 256}
 
 
 def test_greedy_tokens_equal_paged_engine(tiny_llama):
@@ -89,6 +125,17 @@ def test_greedy_tokens_equal_paged_engine(tiny_llama):
         want.update((o.request_id, o.token_ids) for o in engine.step())
     assert got == want
     assert [len(got[r.request_id]) for r in trace] == [8, 6, 7]
+
+
+def test_hf_kv_utilization_is_read_from_the_live_cache(tiny_hf_checkpoint):
+    from paged_jax.baselines.hf_generate import run_hf_generate
+
+    # Prompts 2 and 4 (cache width 4), outputs 1 and 3: two decode calls. Call 1: cache
+    # 4 columns, only the 3-token request still wants tokens and holds 4; call 2: 5
+    # columns, it holds 5. used 9 / reserved 2 * (4 + 5) = 18.
+    res = run_hf_generate(tiny_hf_checkpoint("llama"), [_req(0, 2, 1), _req(1, 4, 3)], 2)
+    assert res.kv_utilization == pytest.approx(9 / 18)
+    assert res.max_concurrent_seqs == 1
 
 
 def test_hf_baseline_ignores_eos(tiny_hf_checkpoint):
