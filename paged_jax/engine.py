@@ -311,17 +311,21 @@ class Engine:
                 st.stop_reason = token
         batch = self.input_batch
         row_of = batch.row_of
+        rows, tokens = [], []
         for req_id, token in sampled.items():
             if req_id in done_ids:
                 continue
-            if req_id in row_of:  # a request preempted meanwhile has no row
-                batch.append_token_ids(req_id, [token])
+            row = row_of.get(req_id)
+            if row is not None:  # a request preempted meanwhile has no row
+                rows.append(row)
+                tokens.append(token)
             stop = self._stop_string_hit(req_id)
             if stop is not None:
                 req = sched.requests[req_id]
                 sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
                 self._states[req_id].stop_reason = stop
                 done.append(req)
+        batch.append_sampled(rows, tokens)
         finished = []
         for req in done:
             if req.request_id in row_of:

@@ -300,9 +300,13 @@ class ContiguousKVEngine:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
         self.bytes_per_token = kv_bytes_per_token(model)
-        full_rows = max_concurrent_for_budget(budget_bytes, max_model_len, self.bytes_per_token)
         self.policy = policy
-        self.max_concurrent = full_rows if policy == "max" else max_num_seqs
+        if policy == "max":
+            self.max_concurrent = max_concurrent_for_budget(
+                budget_bytes, max_model_len, self.bytes_per_token
+            )
+        else:
+            self.max_concurrent = max_num_seqs
         self.max_model_len = max_model_len
         self.space = FirstFitSpace(budget_bytes // self.bytes_per_token)
         if runner is None:

@@ -183,6 +183,16 @@ class InputBatch:
             assert index < self.group_num_blocks[group][row], "a copy replaced a missing block"
             self.group_block_tables[group][row, index] = block_id
 
+    def append_sampled(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
+        """Append one sampled token to each given row (one vectorised write per step)."""
+        if not rows:
+            return
+        r = np.asarray(rows, np.intp)
+        ends = self.num_token_ids[r]
+        assert (ends < self.max_model_len).all(), "scheduler let a request pass max_model_len"
+        self.token_ids[r, ends] = token_ids
+        self.num_token_ids[r] = ends + 1
+
     def _per_group(self, block_ids) -> Sequence[Sequence[int]]:
         """A flat id list (single-group models) or one list per group -> per group."""
         if len(self.windows) == 1 and (not block_ids or not isinstance(block_ids[0], Sequence)):
