@@ -119,7 +119,9 @@ def greedy_generate_paged(
     not contiguous; block 0 stays the null block. kv_cache_dtype (None: the model's) and
     kv_scales f32[num_layers, 2] select an fp8 cache; forced_tokens (per prompt, at least
     max_new_tokens ids) are fed instead of the argmax (teacher forcing), so the logits of
-    two caches can be compared along one token path.
+    two caches can be compared along one token path. A model with several KV-cache groups
+    (full + sliding window) gets one table per group from the same pool (no recycling:
+    the kernels read only the window).
 
     Returns:
         (generated token ids per prompt, per prompt f32[max_new_tokens, vocab] the logits
@@ -127,9 +129,12 @@ def greedy_generate_paged(
     """
     lengths = [len(p) + max_new_tokens for p in prompts]
     blocks_needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks_needed) + 1
+    num_groups = len(model.kv_cache_groups())
+    num_blocks = num_groups * sum(blocks_needed) + 1
     free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
-    tables = [[int(free.pop()) for _ in range(n)] for n in blocks_needed]
+    group_tables = [
+        [[int(free.pop()) for _ in range(n)] for n in blocks_needed] for _ in range(num_groups)
+    ]
     width = max(blocks_needed)
     step = jit_forward_paged(model, attention_backend=attention_backend)
     kv_caches = model.init_kv_caches(num_blocks, block_size, kv_cache_dtype)
@@ -148,13 +153,21 @@ def greedy_generate_paged(
         step_ids[: sum(new)] = np.concatenate(
             [np.asarray(t[c : c + n], np.int32) for t, c, n in zip(tokens, computed, new)]
         )
-        positions, metadata = make_attn_metadata(
-            tables,
-            computed,
-            new,
-            block_size=block_size,
-            num_tokens=num_tokens,
-            max_blocks_per_seq=width,
+        packed = [
+            make_attn_metadata(
+                tables,
+                computed,
+                new,
+                block_size=block_size,
+                num_tokens=num_tokens,
+                max_blocks_per_seq=width,
+            )
+            for tables in group_tables
+        ]
+        positions, metadata = packed[0]
+        metadata = metadata._replace(
+            extra_slot_mappings=tuple(m.slot_mapping for _, m in packed[1:]),
+            extra_block_tables=tuple(m.block_tables for _, m in packed[1:]),
         )
         logits, kv_caches = step(step_ids, positions, kv_caches, metadata, kv_scales=kv_scales)
         logits = np.asarray(logits)

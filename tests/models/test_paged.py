@@ -35,6 +35,7 @@ def assert_paged_matches_dense(model, prompts, *, max_new_tokens, **kwargs) -> N
         ("mistral", {"sliding_window": 5}),
         ("gpt2", {}),
         ("opt", {}),
+        ("gemma2", {}),  # two KV-cache groups: one table per group, shared tensors
     ],
 )
 def test_paged_reference_matches_dense(family, overrides, tiny_hf_checkpoint):
