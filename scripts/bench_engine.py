@@ -224,7 +224,7 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
                 sweep[bs] = r
                 print(f"  hf batch {bs}: {r['summary']['tokens_per_s']:.1f} tok/s", flush=True)
         best_bs = max(sweep, key=lambda b: sweep[b]["summary"]["tokens_per_s"]) if sweep else None
-        runs: dict[str, list[dict]] = {NAMES[s]: [] for s in workers}
+        runs: dict[str, list[dict]] = {w.name: [] for w in workers.values()}
         for round_no in range(args.repeats):
             for system, worker in workers.items():
                 r = worker.run(batch_size=best_bs) if system == "hf" else worker.run()
