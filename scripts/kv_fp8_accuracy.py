@@ -28,66 +28,11 @@ import numpy as np
 
 from paged_jax.models import calibrate_kv_scales, load_model
 from paged_jax.models.simple_paged import greedy_generate_paged
+from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
 
 FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
 KV_CACHES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3+calibrated")
 _FP8 = {"fp8_e4m3": jax.numpy.float8_e4m3fn, "fp8_e5m2": jax.numpy.float8_e5m2}
-# The shapes of tests/conftest.py: hidden 64, 2 layers, 4 query / 2 KV heads (GQA families).
-_LLAMA = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-TINY = {
-    "llama": _LLAMA,
-    "qwen2": dict(_LLAMA, bos_token_id=None),
-    "mistral": dict(_LLAMA, sliding_window=16),
-    "gpt2": dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=256),
-    "opt": dict(
-        vocab_size=128,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        word_embed_proj_dim=64,
-        pad_token_id=1,
-        bos_token_id=2,
-        eos_token_id=2,
-    ),
-}
-
-
-def build_tiny(family: str, directory: pathlib.Path, seed: int = 0) -> pathlib.Path:
-    """A seeded random-weight checkpoint (every weight N(0, 0.1), norm scales 1 + N(0, 0.1))."""
-    import torch
-    import transformers
-
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "mistral": transformers.MistralConfig,
-        "gpt2": transformers.GPT2Config,
-        "opt": transformers.OPTConfig,
-    }
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        classes[family](**TINY[family]), attn_implementation="eager", dtype=torch.float32
-    )
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = 0.1 * torch.randn(param.shape, generator=generator)
-            scale = param.ndim == 1 and name.endswith("weight")
-            param.copy_((1.0 if scale else 0.0) + noise if param.ndim == 1 else noise)
-    model.save_pretrained(directory, safe_serialization=True)
-    return directory
 
 
 def make_prompts(vocab_size: int, count: int, seed: int) -> list[list[int]]:
@@ -202,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         paths = args.model or [
-            build_tiny(f, pathlib.Path(tmp) / f) for f in args.families.split(",")
+            build_tiny_hf_checkpoint(f, pathlib.Path(tmp) / f) for f in args.families.split(",")
         ]
         for path in paths:
             result = evaluate(path, args)

@@ -110,53 +110,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e = p.add_argument_group("engine (EngineConfig fields)")
     c = EngineConfig()
-    e.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
-    e.add_argument(
-        "--num-kv-blocks", type=int, default=c.num_kv_blocks, help="None = sized from memory"
-    )
-    e.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=c.kv_cache_memory,
-        help="KV budget: bytes (> 1) or a fraction of free device memory (<= 1)",
-    )
-    e.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs, help="per step")
-    e.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=c.max_num_batched_tokens,
-        help="token budget per step",
-    )
-    e.add_argument("--max-model-len", type=int, default=c.max_model_len, help="None = model's")
+    # EngineConfig fields: the flag is the field name with dashes; the default is the field's.
+    for flag, kind, text in (
+        ("--block-size", int, "tokens per KV block"),
+        ("--num-kv-blocks", int, "None = sized from memory"),
+        ("--kv-cache-memory", float, "KV budget: bytes (> 1) or a fraction of free device memory (<= 1)"),
+        ("--max-num-seqs", int, "per step"),
+        ("--max-num-batched-tokens", int, "token budget per step"),
+        ("--max-model-len", int, "None = model's"),
+        ("--tensor-parallel-size", int, "split weights and KV caches over the first N devices (docs/scale_out.md)"),
+    ):  # fmt: skip
+        e.add_argument(flag, type=kind, default=getattr(c, flag[2:].replace("-", "_")), help=text)
+    for flag, choices, text in (
+        ("--preemption-mode", PREEMPTION_MODES, "recompute (vLLM V1) or swap to host memory"),
+        ("--attention-backend", ATTENTION_BACKENDS, "auto = Pallas on GPU, reference elsewhere; pallas needs a GPU"),
+        ("--dtype", DTYPES, "auto = bf16 on GPU, else f32"),
+        ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
+    ):  # fmt: skip
+        e.add_argument(
+            flag, choices=choices, default=getattr(c, flag[2:].replace("-", "_")), help=text
+        )
     e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
     e.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="read each step's tokens before scheduling the next (for debugging)",
     )
-    e.add_argument(
-        "--preemption-mode", choices=PREEMPTION_MODES, default=c.preemption_mode, help=" "
-    )
-    e.add_argument(
-        "--attention-backend",
-        choices=ATTENTION_BACKENDS,
-        default=c.attention_backend,
-        help="auto = Pallas on GPU, reference elsewhere; pallas needs a GPU",
-    )
-    e.add_argument("--dtype", choices=DTYPES, default=c.dtype, help="auto = bf16 on GPU, else f32")
-    e.add_argument(
-        "--kv-cache-dtype",
-        choices=KV_CACHE_DTYPES,
-        default=c.kv_cache_dtype,
-        help="auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory",
-    )
     e.add_argument("--engine-seed", type=int, default=c.seed, help="seed for unseeded requests")
-    e.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=c.tensor_parallel_size,
-        help="split weights and KV caches over the first N devices (docs/scale_out.md)",
-    )
     e.add_argument(
         "--compile-cache-dir",
         default=None,
