@@ -32,6 +32,7 @@ from flax import nnx
 
 from paged_jax.models.config import ModelConfig, RopeConfig, common_fields, rope_from_hf
 from paged_jax.models.decoder import CausalLM, DecoderLayer
+from paged_jax.models.llama import LLAMA_PARTITION_RULES
 from paged_jax.models.qwen3 import qk_norm_rules
 from paged_jax.models.weights import WeightRule, embedding, norm, torch_linear
 
@@ -175,6 +176,9 @@ def gemma_weight_rules(config: ModelConfig) -> list[WeightRule]:
 class _GemmaBase(CausalLM):
     norm_cls = GemmaRMSNorm
     layer_cls = GemmaDecoderLayer
+    # Llama's layout: the four sandwich norms and the q/k norms match the replicated
+    # "norm/" rule; soft caps and the embedding scale are elementwise.
+    partition_rules = LLAMA_PARTITION_RULES
 
     def _embed(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
         x = self.embed_tokens(token_ids)

@@ -13,7 +13,12 @@ from typing import Any
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import RMSNorm
-from paged_jax.models.llama import LLAMA_DEFAULTS, llama_config, llama_weight_rules
+from paged_jax.models.llama import (
+    LLAMA_DEFAULTS,
+    LLAMA_PARTITION_RULES,
+    llama_config,
+    llama_weight_rules,
+)
 from paged_jax.models.qwen2 import qwen2_layer_types
 from paged_jax.models.weights import WeightRule, norm
 
@@ -45,6 +50,7 @@ class Qwen3ForCausalLM(CausalLM):
     model_type = "qwen3"
     architectures = ("Qwen3ForCausalLM",)
     qk_norm_cls = RMSNorm
+    partition_rules = LLAMA_PARTITION_RULES  # the per-head q/k norms are replicated
 
     @classmethod
     def config_from_hf(

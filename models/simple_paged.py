@@ -7,6 +7,7 @@ the paged forward through `jit_forward_paged`, the split/merge + donation patter
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -165,7 +166,8 @@ def greedy_generate_paged(
             for tables in group_tables
         ]
         positions, metadata = packed[0]
-        metadata = metadata._replace(
+        metadata = dataclasses.replace(
+            metadata,
             extra_slot_mappings=tuple(m.slot_mapping for _, m in packed[1:]),
             extra_block_tables=tuple(m.block_tables for _, m in packed[1:]),
         )

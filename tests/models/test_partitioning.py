@@ -22,8 +22,8 @@ from paged_jax.models.partitioning import (
 )
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 
-# The families with partition rules (Gemma 2/3 and Qwen3 have none yet: TP is refused).
-TP_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
+# Every family declares partition rules.
+TP_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt", "qwen3", "gemma2", "gemma3_text")
 
 # Megatron layout, stated independently of the rules: (param path suffix, logical axes).
 MEGATRON = {
@@ -33,6 +33,8 @@ MEGATRON = {
     "attn/o_proj/kernel": ("heads", None),
     "attn_norm/scale": (None,),
     "mlp_norm/scale": (None,),
+    "post_attn_norm/scale": (None,),  # Gemma's sandwich norms
+    "attn/q_norm/scale": (None,),  # Qwen3 / Gemma 3 per-head q/k norms
     "final_norm/scale": (None,),
     "embed_tokens/embedding": ("vocab", None),
 }
@@ -69,11 +71,11 @@ def test_every_param_has_a_rule_of_the_megatron_layout(family, tiny_hf_checkpoin
     assert {"attn/q_proj/kernel", "attn/o_proj/kernel", "embed_tokens/embedding"} <= seen
 
 
-def test_families_without_rules_refuse_a_mesh(tiny_hf_checkpoint):
+def test_families_without_rules_refuse_a_mesh(tiny_hf_checkpoint, monkeypatch):
     from paged_jax.worker.sharding import shard_model
 
     model = load_model(tiny_hf_checkpoint("qwen3"))
-    assert type(model).partition_rules is None
+    monkeypatch.setattr(type(model), "partition_rules", None)  # a family that declares none
     with pytest.raises(ValueError, match=r"declares no partition_rules"):
         shard_model(model, mesh=None)
 

@@ -47,6 +47,11 @@ RUNS = {
     "gpt2": ({}, [(2, "recompute", "reference"), (4, "swap", "reference")]),
     "opt": ({}, [(2, "swap", "reference")]),
     "mistral": ({}, [(2, "recompute", "reference")]),
+    # per-head q/k norms (replicated); head_dim 32 != hidden / heads.
+    "qwen3": ({}, [(2, "swap", "reference")]),
+    # hybrid: two KV groups (window 8 / full), soft caps, sandwich norms (window models
+    # preempt by recompute only).
+    "gemma2": ({}, [(2, "recompute", "reference")]),
 }
 SEEDS = [11, 12, 13]
 
