@@ -84,7 +84,7 @@ timeout "$(limit_of bench_kernels)" $py scripts/bench_kernels.py \
   tee "$OUT/bench_kernels.log"
 
 step bench_engine
-timeout "$(limit_of bench_engine)" $py scripts/bench_engine.py --systems paged --dtype bfloat16 \
+timeout "$(limit_of bench_engine)" $py scripts/bench_engine.py --systems paged --repeats 2 --dtype bfloat16 \
   --num-requests 32 --max-num-seqs 32 --max-num-batched-tokens 128 --max-model-len 1024 \
   --output "$OUT/bench_engine.json" 2>&1 | tee "$OUT/bench_engine.log"
 

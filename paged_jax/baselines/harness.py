@@ -100,7 +100,9 @@ class PagedSystem:
         self.model = model
         self.block_size = block_size
         # Bytes of one block of the whole model (all devices), in the KV dtype.
-        self.block_bytes = int(model.kv_bytes_per_block(block_size, kv_cache_jnp_dtype(kv_cache_dtype)))
+        self.block_bytes = int(
+            model.kv_bytes_per_block(block_size, kv_cache_jnp_dtype(kv_cache_dtype))
+        )
         # num_kv_blocks overrides the budget (a tensor-parallel run keeps the pool of its
         # N=1 twin, so both schedule alike).
         self.num_kv_blocks = (

@@ -89,6 +89,7 @@ def test_bench_engine_tensor_parallel_worker(tiny_hf_checkpoint, tmp_path):
     # Half the KV heads per device: half the KV bytes (the tiny Llama has 2 KV heads).
     assert tp["2"]["kv_cache_bytes_per_device"] * 2 == tp["1"]["kv_cache_bytes_per_device"]
     runs = report["results"]
-    assert runs["paged-jax-tp2"]["median_run"]["num_kv_blocks"] == (
-        runs["paged-jax"]["median_run"]["num_kv_blocks"]
+    assert (
+        runs["paged-jax-tp2"]["median_run"]["num_kv_blocks"]
+        == (runs["paged-jax"]["median_run"]["num_kv_blocks"])
     )
