@@ -106,6 +106,9 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(self._empty_groups)
         self._stats = PrefixCacheStats()
         self.pending_copies = PendingCopies(self.block_pool)
+        # allocate_slots' fast path (one full-attention group): a step whose tokens fit
+        # the request's last held block, unshared, completing no block to cache.
+        self._fast_manager = managers[0] if len(managers) == 1 and not self._has_window else None
 
     def _make_manager(self, group: KVCacheGroupSpec, group_id: int) -> SingleTypeKVCacheManager:
         if group.sliding_window is None:
@@ -199,6 +202,41 @@ class KVCacheManager:
                 match its blocks or is given to a request already holding blocks,
                 or computed + new tokens beyond max_model_len.
         """
+        fast = self._fast_manager
+        if (
+            fast is not None
+            and new_computed_blocks is None
+            and num_new_tokens > 0
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+        ):
+            # The decode fast path: most decode steps need no new block. Exactly what
+            # the general path below does when the new tokens stay within the last held
+            # block, that block is not shared (ref_cnt 1: no copy on write) and no block
+            # becomes full and hashed: nothing, returning the empty blocks.
+            blocks = fast.req_to_blocks.get(request.request_id)
+            if blocks:
+                start = request.num_computed_tokens
+                end = start + num_new_tokens
+                bs = self.block_size
+                last = len(blocks) - 1
+                if (
+                    end <= self.max_model_len
+                    and start // bs == last
+                    and (end - 1) // bs == last
+                    and blocks[last].ref_cnt == 1
+                ):
+                    if not self.enable_caching:
+                        return self.empty_kv_cache_blocks
+                    if request.block_hasher is not None:
+                        num_tokens = len(request.all_token_ids)
+                        num_hashed = len(request.block_hashes) * bs
+                        if end < num_tokens:
+                            num_tokens = end
+                        if num_hashed < num_tokens:
+                            num_tokens = num_hashed
+                        if num_tokens // bs <= fast.num_cached_block[request.request_id]:
+                            return self.empty_kv_cache_blocks
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)="

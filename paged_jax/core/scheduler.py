@@ -142,37 +142,64 @@ class Scheduler:
         out = SchedulerOutput(removed_req_ids=self._removed)
         self._removed = []
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSeq] = {}
-
+        # req_id -> (ScheduledSeq, Request), in schedule order.
+        scheduled: dict[str, tuple[ScheduledSeq, Request]] = {}
+        # The decode hot loop: every running request, every step. Locals and inlined
+        # checks keep it at a few attribute reads per request; a
+        # decode token that needs no new block returns from allocate_slots' fast path.
+        allocate = self.kv.allocate_slots
+        empty = self.kv.empty_kv_cache_blocks
+        new_block_ids = out.new_block_ids
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running_status:
                 continue  # preempted earlier in this loop
             pending = req.num_output_placeholders
-            if pending and self._ends_by_length(req):
-                continue  # its in-flight token is its last: schedule nothing more
-            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            num_tokens = len(req.all_token_ids)
+            if pending:
+                # Its in-flight tokens already reach max_tokens or max_model_len: the
+                # last one is on its way, schedule nothing more.
+                num_output = len(req.output_token_ids) + pending
+                params = req.sampling_params
+                if (
+                    params is not None and num_output >= params.max_tokens
+                ) or num_tokens + pending >= max_model_len:
+                    continue
+            else:
+                num_output = len(req.output_token_ids)
+            num_computed = req.num_computed_tokens
+            num_new = num_tokens + pending - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            while (new_blocks := self.kv.allocate_slots(req, num_new)) is None:
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
-                    out.new_block_ids.pop(victim.request_id, None)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            if any(new_blocks.blocks):
-                out.new_block_ids[req.request_id] = new_blocks.get_block_ids()
-            scheduled[req.request_id] = ScheduledSeq(
-                req.request_id,
-                req.num_computed_tokens,
-                num_new,
-                req.num_output_tokens + pending,
-                req.num_computed_tokens + num_new == req.num_tokens + pending,
+            new_blocks = allocate(req, num_new)
+            if new_blocks is None:
+                while new_blocks is None:
+                    victim = self._pick_victim()
+                    if victim.request_id in scheduled:
+                        budget += scheduled.pop(victim.request_id)[0].num_new_tokens
+                        new_block_ids.pop(victim.request_id, None)
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                    new_blocks = allocate(req, num_new)
+                if req.status is not running_status:
+                    continue
+            if new_blocks is not empty and any(new_blocks.blocks):
+                new_block_ids[req.request_id] = new_blocks.get_block_ids()
+            scheduled[req.request_id] = (
+                ScheduledSeq(
+                    req.request_id,
+                    num_computed,
+                    num_new,
+                    num_output,
+                    num_computed + num_new == num_tokens + pending,
+                ),
+                req,
             )
             budget -= num_new
 
@@ -180,28 +207,27 @@ class Scheduler:
             self._admit(out, scheduled, budget)
         if self._forked or len(self.kv.pending_copies):
             add_fork_rows_and_copies(self, out)
-        out.scheduled = list(scheduled.values())
-        requests = self.requests
-        placeholders = self.config.async_scheduling
-        for seq in out.scheduled:
-            # Optimistic advance, as vLLM: the next step may continue a chunked prefill
-            # before this step's outputs are read.
-            req = requests[seq.req_id]
-            req.num_computed_tokens += seq.num_new_tokens
-            if placeholders and seq.samples:
-                # Async: the sampled token stays on device and feeds the next step.
-                req.num_output_placeholders += 1
+        out.scheduled = [seq for seq, _ in scheduled.values()]
+        out.scheduled_requests = reqs = [req for _, req in scheduled.values()]
+        if self.config.async_scheduling:
+            for seq, req in zip(out.scheduled, reqs):
+                # Optimistic advance, as vLLM: the next step may continue a chunked
+                # prefill before this step's outputs are read. Async: the sampled token
+                # stays on device and feeds the next step (a placeholder here).
+                req.num_computed_tokens += seq.num_new_tokens
+                if seq.samples:
+                    req.num_output_placeholders += 1
+        else:
+            for seq, req in zip(out.scheduled, reqs):
+                req.num_computed_tokens += seq.num_new_tokens
         return out
 
-    def _ends_by_length(self, req: Request) -> bool:
-        """Whether the request's in-flight tokens already reach max_tokens or max_model_len."""
-        pending = req.num_output_placeholders
-        params = req.sampling_params
-        if params is not None and req.num_output_tokens + pending >= params.max_tokens:
-            return True
-        return req.num_tokens + pending >= self.max_model_len
-
-    def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
+    def _admit(
+        self,
+        out: SchedulerOutput,
+        scheduled: dict[str, tuple[ScheduledSeq, Request]],
+        budget: int,
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
@@ -246,12 +272,15 @@ class Scheduler:
             out.new_rows.append(
                 NewRow(req.request_id, list(req.all_token_ids), block_ids, num_computed)
             )
-            scheduled[req.request_id] = ScheduledSeq(
-                req.request_id,
-                num_computed,
-                num_new,
-                req.num_output_tokens,
-                num_computed + num_new == req.num_tokens,
+            scheduled[req.request_id] = (
+                ScheduledSeq(
+                    req.request_id,
+                    num_computed,
+                    num_new,
+                    req.num_output_tokens,
+                    num_computed + num_new == req.num_tokens,
+                ),
+                req,
             )
             budget -= num_new
 
@@ -308,34 +337,34 @@ class Scheduler:
             The requests that finished in this step (already freed).
         """
         finished = []
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for req_id, token in sampled.items():
-            req = self.requests.get(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue
             if req.num_output_placeholders:
                 # Async: the token was scheduled on; a request preempted meanwhile keeps it.
                 req.num_output_placeholders -= 1
-            elif req.status != RequestStatus.RUNNING:
+            elif req.status is not running_status:
                 continue
             req.append_output_token_ids(token)
-            status = self._check_stop(req, token, eos_token_ids)
+            # Token-level stops (this loop runs for every sequence of every step).
+            params = req.sampling_params
+            status = None
+            if params is not None:
+                num_output = len(req.output_token_ids)
+                if num_output >= params.min_tokens and (
+                    (not params.ignore_eos and token in eos_token_ids)
+                    or token in params.stop_token_ids
+                ):
+                    status = RequestStatus.FINISHED_STOPPED
+                elif num_output >= params.max_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+            if status is None and len(req.all_token_ids) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(req_id, status)
                 finished.append(req)
         return finished
-
-    def _check_stop(
-        self, req: Request, token: int, eos_token_ids: tuple[int, ...]
-    ) -> RequestStatus | None:
-        params = req.sampling_params
-        n_out = req.num_output_tokens
-        if params is not None and n_out >= params.min_tokens:
-            if not params.ignore_eos and token in eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if params is not None and n_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

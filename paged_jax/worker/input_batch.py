@@ -216,6 +216,36 @@ class InputBatch:
             table[row, start:end] = ids
             num[row] = end
 
+    def append_new_block_ids(
+        self, new_block_ids: dict[str, Sequence[int] | Sequence[Sequence[int]]]
+    ) -> None:
+        """append_block_ids for every request of a step's SchedulerOutput.new_block_ids.
+
+        The common decode case (one group, one new block per request) is one vectorised
+        write; anything else goes request by request.
+        """
+        if len(self.windows) == 1 and len(new_block_ids) > 1:
+            ids = []
+            for block_ids in new_block_ids.values():
+                group = self._per_group(block_ids)[0]
+                if len(group) != 1:
+                    break
+                ids.append(group[0])
+            else:
+                rows = np.fromiter(
+                    map(self.row_of.__getitem__, new_block_ids), np.intp, len(new_block_ids)
+                )
+                num = self.num_blocks
+                ends = num[rows]
+                assert (ends < self.block_tables.shape[1]).all(), (
+                    "block table wider than max_blocks_per_seq"
+                )
+                self.block_tables[rows, ends] = ids
+                num[rows] = ends + 1
+                return
+        for req_id, block_ids in new_block_ids.items():
+            self.append_block_ids(req_id, block_ids)
+
     # ----------------------------------------------------------------- step
     def prepare(
         self, seqs: Sequence[ScheduledSeq], block_copies: Sequence[tuple[int, int]] = ()
