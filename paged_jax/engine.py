@@ -28,6 +28,7 @@ from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
 
 _req_id_of = operator.attrgetter("req_id")
+_samples_of = operator.attrgetter("samples")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -411,11 +412,18 @@ class Engine:
         # A prefill chunk that does not reach the end samples nothing (seq.samples is
         # False); a request that ended while this step was in flight (async) drops its
         # extra token, even if a new request reuses its id.
-        sampled = {
-            seq.req_id: token
-            for seq, req, token in zip(step.out.scheduled, step.requests, token_ids)
-            if seq.samples and live_get(seq.req_id) is req
-        }
+        seqs = step.out.scheduled
+        req_ids = list(map(_req_id_of, seqs))
+        if all(map(_samples_of, seqs)) and all(
+            map(operator.is_, map(live_get, req_ids), step.requests)
+        ):  # the usual decode step, checked and built without a Python-level loop
+            sampled = dict(zip(req_ids, token_ids))
+        else:
+            sampled = {
+                req_id: token
+                for req_id, seq, req, token in zip(req_ids, seqs, step.requests, token_ids)
+                if seq.samples and live_get(req_id) is req
+            }
         awaiting = self._awaiting_first_token
         if awaiting:
             first = awaiting.intersection(sampled)

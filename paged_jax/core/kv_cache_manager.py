@@ -210,33 +210,44 @@ class KVCacheManager:
             and not num_new_computed_tokens
             and not num_lookahead_tokens
         ):
-            # The decode fast path: most decode steps need no new block. Exactly what
-            # the general path below does when the new tokens stay within the last held
-            # block, that block is not shared (ref_cnt 1: no copy on write) and no block
-            # becomes full and hashed: nothing, returning the empty blocks.
-            blocks = fast.req_to_blocks.get(request.request_id)
+            # The decode fast path: exactly what the general path below does when the
+            # new tokens fall in one block, either the last held one (unshared:
+            # ref_cnt 1, no copy on write) or the next one, and no block becomes full
+            # and hashed: nothing, or one fresh block from the free queue's head.
+            request_id = request.request_id
+            blocks = fast.req_to_blocks.get(request_id)
             if blocks:
                 start = request.num_computed_tokens
                 end = start + num_new_tokens
                 bs = self.block_size
-                last = len(blocks) - 1
+                index = start // bs
+                num_held = len(blocks)
                 if (
-                    end <= self.max_model_len
-                    and start // bs == last
-                    and (end - 1) // bs == last
-                    and blocks[last].ref_cnt == 1
+                    (end - 1) // bs == index
+                    and end <= self.max_model_len
+                    and (
+                        (index == num_held - 1 and blocks[index].ref_cnt == 1)
+                        or (index == num_held and self.block_pool.free_block_queue.num_free_blocks)
+                    )
                 ):
-                    if not self.enable_caching:
+                    if self.enable_caching:
+                        if request.block_hasher is None:
+                            index = -1  # the general path attaches the hasher first
+                        else:
+                            num_tokens = len(request.all_token_ids)
+                            num_hashed = len(request.block_hashes) * bs
+                            if end < num_tokens:
+                                num_tokens = end
+                            if num_hashed < num_tokens:
+                                num_tokens = num_hashed
+                            if num_tokens // bs > fast.num_cached_block[request_id]:
+                                index = -1  # a block to cache: the general path
+                    if index == num_held - 1:
                         return self.empty_kv_cache_blocks
-                    if request.block_hasher is not None:
-                        num_tokens = len(request.all_token_ids)
-                        num_hashed = len(request.block_hashes) * bs
-                        if end < num_tokens:
-                            num_tokens = end
-                        if num_hashed < num_tokens:
-                            num_tokens = num_hashed
-                        if num_tokens // bs <= fast.num_cached_block[request.request_id]:
-                            return self.empty_kv_cache_blocks
+                    if index == num_held:
+                        new_blocks = self.block_pool.get_new_blocks(1)
+                        blocks.extend(new_blocks)
+                        return KVCacheBlocks((new_blocks,))
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)="

@@ -138,20 +138,28 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then admissions if nothing was preempted."""
+        """Plan one step: running requests first, then admissions if nothing was preempted.
+
+        Every scheduled request is advanced optimistically, as in vLLM: its
+        num_computed_tokens counts this step's tokens (the next step may continue a
+        chunked prefill before this step's outputs are read) and, with async scheduling,
+        a sampling step adds a placeholder for the token that stays on device.
+        """
         out = SchedulerOutput(removed_req_ids=self._removed)
         self._removed = []
         budget = self.config.max_num_batched_tokens
-        # req_id -> (ScheduledSeq, Request), in schedule order.
-        scheduled: dict[str, tuple[ScheduledSeq, Request]] = {}
+        seqs: list[ScheduledSeq] = []  # in schedule order
+        reqs: list[Request] = []  # the Request of each entry of seqs
+        placeholders = self.config.async_scheduling
         # The decode hot loop: every running request, every step. Locals and inlined
-        # checks keep it at a few attribute reads per request; a
-        # decode token that needs no new block returns from allocate_slots' fast path.
+        # checks keep it at a few attribute reads per request; a decode token that
+        # needs no new block (or exactly one) takes allocate_slots' fast path.
         allocate = self.kv.allocate_slots
         empty = self.kv.empty_kv_cache_blocks
         new_block_ids = out.new_block_ids
         running_status = RequestStatus.RUNNING
         max_model_len = self.max_model_len
+        make_seq = tuple.__new__  # ScheduledSeq(...) without its Python-level __new__
         for req in list(self.running):
             if budget == 0:
                 break
@@ -180,9 +188,8 @@ class Scheduler:
             if new_blocks is None:
                 while new_blocks is None:
                     victim = self._pick_victim()
-                    if victim.request_id in scheduled:
-                        budget += scheduled.pop(victim.request_id)[0].num_new_tokens
-                        new_block_ids.pop(victim.request_id, None)
+                    budget += self._unschedule(victim, seqs, reqs)
+                    new_block_ids.pop(victim.request_id, None)
                     self._preempt(victim, out)
                     if victim is req:
                         break
@@ -191,42 +198,38 @@ class Scheduler:
                     continue
             if new_blocks is not empty and any(new_blocks.blocks):
                 new_block_ids[req.request_id] = new_blocks.get_block_ids()
-            scheduled[req.request_id] = (
-                ScheduledSeq(
-                    req.request_id,
-                    num_computed,
-                    num_new,
-                    num_output,
-                    num_computed + num_new == num_tokens + pending,
-                ),
-                req,
+            samples = num_computed + num_new == num_tokens + pending
+            seqs.append(
+                make_seq(ScheduledSeq, (req.request_id, num_computed, num_new, num_output, samples))
             )
+            reqs.append(req)
+            req.num_computed_tokens = num_computed + num_new
+            if placeholders and samples:
+                req.num_output_placeholders = pending + 1
             budget -= num_new
 
         if not out.preempted_req_ids:
-            self._admit(out, scheduled, budget)
+            self._admit(out, seqs, reqs, budget)
         if self._forked or len(self.kv.pending_copies):
             add_fork_rows_and_copies(self, out)
-        out.scheduled = [seq for seq, _ in scheduled.values()]
-        out.scheduled_requests = reqs = [req for _, req in scheduled.values()]
-        if self.config.async_scheduling:
-            for seq, req in zip(out.scheduled, reqs):
-                # Optimistic advance, as vLLM: the next step may continue a chunked
-                # prefill before this step's outputs are read. Async: the sampled token
-                # stays on device and feeds the next step (a placeholder here).
-                req.num_computed_tokens += seq.num_new_tokens
-                if seq.samples:
-                    req.num_output_placeholders += 1
-        else:
-            for seq, req in zip(out.scheduled, reqs):
-                req.num_computed_tokens += seq.num_new_tokens
+        out.scheduled = seqs
+        out.scheduled_requests = reqs
         return out
 
+    def _unschedule(self, req: Request, seqs: list[ScheduledSeq], reqs: list[Request]) -> int:
+        """Takes a request being preempted back out of this step; returns its tokens."""
+        for i in range(len(reqs) - 1, -1, -1):
+            if reqs[i] is req:
+                seq = seqs.pop(i)
+                del reqs[i]
+                req.num_computed_tokens -= seq.num_new_tokens
+                if self.config.async_scheduling and seq.samples:
+                    req.num_output_placeholders -= 1
+                return seq.num_new_tokens
+        return 0
+
     def _admit(
-        self,
-        out: SchedulerOutput,
-        scheduled: dict[str, tuple[ScheduledSeq, Request]],
-        budget: int,
+        self, out: SchedulerOutput, seqs: list[ScheduledSeq], reqs: list[Request], budget: int
     ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
@@ -267,21 +270,18 @@ class Scheduler:
                 block_ids = self.kv.get_block_ids_per_group(req)
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_computed
             self.running.append(req)
             out.new_rows.append(
                 NewRow(req.request_id, list(req.all_token_ids), block_ids, num_computed)
             )
-            scheduled[req.request_id] = (
-                ScheduledSeq(
-                    req.request_id,
-                    num_computed,
-                    num_new,
-                    req.num_output_tokens,
-                    num_computed + num_new == req.num_tokens,
-                ),
-                req,
+            samples = num_computed + num_new == req.num_tokens
+            seqs.append(
+                ScheduledSeq(req.request_id, num_computed, num_new, req.num_output_tokens, samples)
             )
+            reqs.append(req)
+            req.num_computed_tokens = num_computed + num_new  # the optimistic advance
+            if samples and self.config.async_scheduling:
+                req.num_output_placeholders += 1
             budget -= num_new
 
     def fork_request(self, parent_id: str, child: Request, num_tokens: int | None = None) -> None:
