@@ -212,8 +212,8 @@ class KVCacheManager:
         ):
             # The decode fast path: exactly what the general path below does when the
             # new tokens fall in one block, either the last held one (unshared:
-            # ref_cnt 1, no copy on write) or the next one, and no block becomes full
-            # and hashed: nothing, or one fresh block from the free queue's head.
+            # ref_cnt 1, no copy on write) or the next one: nothing, or one fresh
+            # block from the free queue's head, then cache any block now full.
             request_id = request.request_id
             blocks = fast.req_to_blocks.get(request_id)
             if blocks:
@@ -230,23 +230,31 @@ class KVCacheManager:
                         or (index == num_held and self.block_pool.free_block_queue.num_free_blocks)
                     )
                 ):
+                    cache_end = 0  # tokens to cache blocks within (0: none)
                     if self.enable_caching:
                         if request.block_hasher is None:
                             index = -1  # the general path attaches the hasher first
                         else:
                             num_tokens = len(request.all_token_ids)
-                            num_hashed = len(request.block_hashes) * bs
                             if end < num_tokens:
                                 num_tokens = end
-                            if num_hashed < num_tokens:
-                                num_tokens = num_hashed
-                            if num_tokens // bs > fast.num_cached_block[request_id]:
-                                index = -1  # a block to cache: the general path
+                            num_full = num_tokens
+                            num_hashed = len(request.block_hashes) * bs
+                            if num_hashed < num_full:
+                                num_full = num_hashed
+                            if num_full // bs > fast.num_cached_block[request_id]:
+                                cache_end = num_tokens
                     if index == num_held - 1:
+                        if cache_end:
+                            fast.cache_blocks(request, cache_end)
                         return self.empty_kv_cache_blocks
                     if index == num_held:
+                        # Allocate before caching, as below (a reused block's eviction
+                        # from the hash map comes first).
                         new_blocks = self.block_pool.get_new_blocks(1)
                         blocks.extend(new_blocks)
+                        if cache_end:
+                            fast.cache_blocks(request, cache_end)
                         return KVCacheBlocks((new_blocks,))
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
