@@ -7,6 +7,7 @@ add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.execute
 from __future__ import annotations
 
 import dataclasses
+import operator
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +26,9 @@ from paged_jax.model_api import check_paged_model
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
+
+_req_id_of = operator.attrgetter("req_id")
+_samples_of = operator.attrgetter("samples")
 
 FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -84,7 +88,10 @@ class InFlightStep:
 
     @classmethod
     def launch(cls, out: SchedulerOutput, live: dict[str, Request], pending: PendingStep):
-        return cls(out, [live[seq.req_id] for seq in out.scheduled], pending)
+        requests = out.scheduled_requests
+        if len(requests) != len(out.scheduled):  # an output built by hand
+            requests = [live[seq.req_id] for seq in out.scheduled]
+        return cls(out, requests, pending)
 
 
 @dataclasses.dataclass
@@ -155,8 +162,16 @@ class Engine:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.input_batch = InputBatch(config, kv_cache_groups=groups)
         self._blocks_per_request_peak = 0
+        # Requests whose block count may have grown since a decode step last measured it.
+        self._peak_dirty: set[str] = set()
         self._seed_rng = np.random.default_rng(config.seed)
         self._states: dict[str, _ReqState] = {}
+        # Per-step shortcuts over _states: live requests still waiting for their first
+        # token, with stop strings, and how many want logprobs (0: the device step's
+        # logprob outputs are never copied to the host).
+        self._awaiting_first_token: set[str] = set()
+        self._stop_string_ids: set[str] = set()
+        self._num_logprobs_live = 0
         self._step_times: list[float] = []
         self._host_times: list[float] = []
         self._in_flight: InFlightStep | None = None
@@ -220,6 +235,20 @@ class Engine:
         self._states[request_id] = _ReqState(
             params, seed, [] if params.logprobs is not None else None
         )
+        self._awaiting_first_token.add(request_id)
+        if params.stop:
+            self._stop_string_ids.add(request_id)
+        if params.logprobs is not None:
+            self._num_logprobs_live += 1
+
+    def _unregister(self, request_id: str) -> _ReqState:
+        """Drops a request's engine state (the inverse of _register)."""
+        st = self._states.pop(request_id)
+        self._awaiting_first_token.discard(request_id)
+        self._stop_string_ids.discard(request_id)
+        if st.logprobs is not None:
+            self._num_logprobs_live -= 1
+        return st
 
     def fork_request(
         self,
@@ -281,7 +310,8 @@ class Engine:
         if out.scheduled:
             self._record_blocks_per_request(out)
             step = self.input_batch.prepare(out.scheduled, out.block_copies)
-            launched = InFlightStep.launch(out, sched.requests, self.runner.dispatch(step))
+            pending = self.runner.dispatch(step, with_logprobs=self._num_logprobs_live > 0)
+            launched = InFlightStep.launch(out, sched.requests, pending)
             self._num_steps += 1
         ready = launched
         if self.config.async_scheduling and not self._synchronous:
@@ -303,28 +333,38 @@ class Engine:
         sched = self.scheduler
         sampled = self._record_samples(step, result)
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
-        done_ids = {r.request_id for r in done}
-        for req in done:
-            st = self._states[req.request_id]
-            token = sampled[req.request_id]
-            if req.status == RequestStatus.FINISHED_STOPPED and token in st.params.stop_token_ids:
-                st.stop_reason = token
+        live = sampled
+        if done:
+            done_ids = set()
+            for req in done:
+                done_ids.add(req.request_id)
+                st = self._states[req.request_id]
+                token = sampled[req.request_id]
+                if (
+                    req.status == RequestStatus.FINISHED_STOPPED
+                    and token in st.params.stop_token_ids
+                ):
+                    st.stop_reason = token
+            live = {k: v for k, v in sampled.items() if k not in done_ids}
         batch = self.input_batch
         row_of = batch.row_of
-        rows, tokens = [], []
-        for req_id, token in sampled.items():
-            if req_id in done_ids:
-                continue
-            row = row_of.get(req_id)
-            if row is not None:  # a request preempted meanwhile has no row
-                rows.append(row)
-                tokens.append(token)
-            stop = self._stop_string_hit(req_id)
-            if stop is not None:
-                req = sched.requests[req_id]
-                sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
-                self._states[req_id].stop_reason = stop
-                done.append(req)
+        rows = list(map(row_of.get, live))
+        tokens = list(live.values())
+        if None in rows:  # a request preempted meanwhile has no row
+            keep = [i for i, row in enumerate(rows) if row is not None]
+            rows = [rows[i] for i in keep]
+            tokens = [tokens[i] for i in keep]
+        stop_ids = self._stop_string_ids
+        if stop_ids and self.detokenize is not None:
+            for req_id in live:
+                if req_id not in stop_ids:
+                    continue
+                stop = self._stop_string_hit(req_id)
+                if stop is not None:
+                    req = sched.requests[req_id]
+                    sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                    self._states[req_id].stop_reason = stop
+                    done.append(req)
         batch.append_sampled(rows, tokens)
         finished = []
         for req in done:
@@ -358,8 +398,8 @@ class Engine:
                 st.seed,
                 min_tokens_stop_ids=self._min_tokens_stop_ids(st.params),
             )
-        for req_id, block_ids in out.new_block_ids.items():
-            batch.append_block_ids(req_id, block_ids)
+        if out.new_block_ids:
+            batch.append_new_block_ids(out.new_block_ids)
         for req_id, updates in out.replaced_block_ids.items():
             batch.replace_block_ids(req_id, updates)
         for req_id, block_ids in out.swap_in:
@@ -367,22 +407,39 @@ class Engine:
 
     def _record_samples(self, step: InFlightStep, result) -> dict[str, int]:
         """req_id -> sampled token for sequences that reached their end; logprobs, TTFT."""
-        now = time.time()
-        sampled: dict[str, int] = {}
-        live = self.scheduler.requests
+        live_get = self.scheduler.requests.get
         token_ids = result.token_ids.tolist()
-        for i, (seq, req) in enumerate(zip(step.out.scheduled, step.requests)):
-            if not seq.samples or live.get(seq.req_id) is not req:
-                # A prefill chunk that does not reach the end samples nothing; a request
-                # that ended while this step was in flight (async) drops its extra token.
-                continue
-            token = token_ids[i]
-            sampled[seq.req_id] = token
-            st = self._states[seq.req_id]
-            if st.first_token_time is None:
-                st.first_token_time = now
-            if st.logprobs is not None:
-                entry = {token: float(result.logprobs[i])}
+        # A prefill chunk that does not reach the end samples nothing (seq.samples is
+        # False); a request that ended while this step was in flight (async) drops its
+        # extra token, even if a new request reuses its id.
+        seqs = step.out.scheduled
+        req_ids = list(map(_req_id_of, seqs))
+        if all(map(_samples_of, seqs)) and all(
+            map(operator.is_, map(live_get, req_ids), step.requests)
+        ):  # the usual decode step, checked and built without a Python-level loop
+            sampled = dict(zip(req_ids, token_ids))
+        else:
+            sampled = {
+                req_id: token
+                for req_id, seq, req, token in zip(req_ids, seqs, step.requests, token_ids)
+                if seq.samples and live_get(req_id) is req
+            }
+        awaiting = self._awaiting_first_token
+        if awaiting:
+            first = awaiting.intersection(sampled)
+            if first:
+                now = time.time()
+                for req_id in first:
+                    self._states[req_id].first_token_time = now
+                awaiting -= first
+        if self._num_logprobs_live:
+            for i, seq in enumerate(step.out.scheduled):
+                if seq.req_id not in sampled or live_get(seq.req_id) is not step.requests[i]:
+                    continue
+                st = self._states[seq.req_id]
+                if st.logprobs is None:
+                    continue
+                entry = {token_ids[i]: float(result.logprobs[i])}
                 k = st.params.logprobs
                 for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
                     entry[int(tid)] = float(lp)
@@ -390,15 +447,36 @@ class Engine:
         return sampled
 
     def _record_blocks_per_request(self, out) -> None:
-        """Peak real blocks held by one request in a decode step (one generated token in)."""
+        """Peak real blocks held by one request in a decode step (one generated token in).
+
+        A request's count only grows when it gets blocks (a new row, appended blocks),
+        so only those requests are measured, at their next decode step.
+        """
+        dirty = self._peak_dirty
+        for row in out.new_rows:
+            dirty.add(row.req_id)
+        dirty.update(out.new_block_ids)
+        if not dirty:
+            return
         kv = self.kv_cache_manager
-        requests = self.scheduler.requests
-        for seq in out.scheduled:
-            if (
-                seq.num_new_tokens == 1
-                and seq.num_computed_tokens >= requests[seq.req_id].num_prompt_tokens
-            ):
-                held = kv.get_num_blocks_held(seq.req_id)
+        seqs = out.scheduled
+        requests = out.scheduled_requests
+        if len(requests) != len(seqs):
+            live = self.scheduler.requests
+            requests = [live[seq.req_id] for seq in seqs]
+        index = dict(zip(map(_req_id_of, seqs), range(len(seqs))))
+        live = self.scheduler.requests
+        for req_id in list(dirty):
+            if req_id not in live:
+                dirty.discard(req_id)  # finished (a reused id is a new row again)
+                continue
+            i = index.get(req_id)
+            if i is None:
+                continue
+            seq = seqs[i]
+            if seq.num_new_tokens == 1 and seq.num_computed_tokens >= requests[i].num_prompt_tokens:
+                dirty.discard(req_id)
+                held = kv.get_num_blocks_held(req_id)
                 if held > self._blocks_per_request_peak:
                     self._blocks_per_request_peak = held
 
@@ -421,7 +499,7 @@ class Engine:
         return next((s for s in st.params.stop if s in text), None)
 
     def _finish(self, req: Request) -> EngineOutput:
-        st = self._states.pop(req.request_id)
+        st = self._unregister(req.request_id)
         self.runner.drop_swapped(req.request_id)
         return EngineOutput(
             request_id=req.request_id,

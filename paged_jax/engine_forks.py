@@ -97,5 +97,5 @@ def fork_request(
     try:
         sched.fork_request(parent_id, child, num_tokens=common)
     except ValueError:
-        engine._states.pop(child_id)
+        engine._unregister(child_id)
         raise

@@ -106,6 +106,9 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(self._empty_groups)
         self._stats = PrefixCacheStats()
         self.pending_copies = PendingCopies(self.block_pool)
+        # allocate_slots' fast path (one full-attention group): a step whose tokens fit
+        # the request's last held block, unshared, completing no block to cache.
+        self._fast_manager = managers[0] if len(managers) == 1 and not self._has_window else None
 
     def _make_manager(self, group: KVCacheGroupSpec, group_id: int) -> SingleTypeKVCacheManager:
         if group.sliding_window is None:
@@ -199,6 +202,60 @@ class KVCacheManager:
                 match its blocks or is given to a request already holding blocks,
                 or computed + new tokens beyond max_model_len.
         """
+        fast = self._fast_manager
+        if (
+            fast is not None
+            and new_computed_blocks is None
+            and num_new_tokens > 0
+            and not num_new_computed_tokens
+            and not num_lookahead_tokens
+        ):
+            # The decode fast path: exactly what the general path below does when the
+            # new tokens fall in one block, either the last held one (unshared:
+            # ref_cnt 1, no copy on write) or the next one: nothing, or one fresh
+            # block from the free queue's head, then cache any block now full.
+            request_id = request.request_id
+            blocks = fast.req_to_blocks.get(request_id)
+            if blocks:
+                start = request.num_computed_tokens
+                end = start + num_new_tokens
+                bs = self.block_size
+                index = start // bs
+                num_held = len(blocks)
+                if (
+                    (end - 1) // bs == index
+                    and end <= self.max_model_len
+                    and (
+                        (index == num_held - 1 and blocks[index].ref_cnt == 1)
+                        or (index == num_held and self.block_pool.free_block_queue.num_free_blocks)
+                    )
+                ):
+                    cache_end = 0  # tokens to cache blocks within (0: none)
+                    if self.enable_caching:
+                        if request.block_hasher is None:
+                            index = -1  # the general path attaches the hasher first
+                        else:
+                            num_tokens = len(request.all_token_ids)
+                            if end < num_tokens:
+                                num_tokens = end
+                            num_full = num_tokens
+                            num_hashed = len(request.block_hashes) * bs
+                            if num_hashed < num_full:
+                                num_full = num_hashed
+                            if num_full // bs > fast.num_cached_block[request_id]:
+                                cache_end = num_tokens
+                    if index == num_held - 1:
+                        if cache_end:
+                            fast.cache_blocks(request, cache_end)
+                        return self.empty_kv_cache_blocks
+                    if index == num_held:
+                        # Allocate before caching, as below (a reused block's eviction
+                        # from the hash map comes first).
+                        new_blocks = self.block_pool.get_new_blocks(1)
+                        blocks.extend(new_blocks)
+                        if cache_end:
+                            fast.cache_blocks(request, cache_end)
+                        return KVCacheBlocks((new_blocks,))
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)="

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from paged_jax.core.hashing import BlockHash
+from paged_jax.core.hashing import BlockHash, BlockHasher
 
 BlockHasherFn = Callable[["Request"], list[BlockHash]]
 """Returns the hashes of the request's full blocks not yet in request.block_hashes."""
@@ -131,6 +131,8 @@ class Request:
         self.all_token_ids: list[int] = list(ids)
         self.block_hashes: list[BlockHash] = []
         self._block_hasher: BlockHasherFn | None = None
+        # A BlockHasher's block size: appends call it only when a block fills up.
+        self._hash_block_size: int | None = None
         if block_hasher is not None:
             self.block_hasher = block_hasher
 
@@ -148,6 +150,8 @@ class Request:
         if not callable(hasher):
             raise ValueError(f"block_hasher={hasher!r} must be callable")
         self._block_hasher = hasher
+        if type(hasher) is BlockHasher:
+            self._hash_block_size = hasher.block_size
         self.block_hashes.extend(hasher(self))
 
     @property
@@ -177,8 +181,21 @@ class Request:
             ValueError: on a negative or non-int token id (nothing is appended).
         """
         if type(token_ids) is int and token_ids >= 0:  # the one-token decode fast path
-            new = [token_ids]
-        elif isinstance(token_ids, Iterable) and not isinstance(token_ids, (str, bytes)):
+            self.output_token_ids.append(token_ids)
+            all_token_ids = self.all_token_ids
+            all_token_ids.append(token_ids)
+            hasher = self._block_hasher
+            if hasher is None:
+                return
+            bs = self._hash_block_size
+            # A BlockHasher has nothing to do until the token fills a block.
+            if bs is not None and len(all_token_ids) < (len(self.block_hashes) + 1) * bs:
+                return
+            new_hashes = hasher(self)
+            if new_hashes:
+                self.block_hashes.extend(new_hashes)
+            return
+        if isinstance(token_ids, Iterable) and not isinstance(token_ids, (str, bytes)):
             new = [_to_token_id(t, "token_ids[i]") for t in token_ids]
         else:
             new = [_to_token_id(token_ids, "token_ids")]

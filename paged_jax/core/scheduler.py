@@ -138,70 +138,99 @@ class Scheduler:
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first, then admissions if nothing was preempted."""
+        """Plan one step: running requests first, then admissions if nothing was preempted.
+
+        Every scheduled request is advanced optimistically, as in vLLM: its
+        num_computed_tokens counts this step's tokens (the next step may continue a
+        chunked prefill before this step's outputs are read) and, with async scheduling,
+        a sampling step adds a placeholder for the token that stays on device.
+        """
         out = SchedulerOutput(removed_req_ids=self._removed)
         self._removed = []
         budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSeq] = {}
-
+        seqs: list[ScheduledSeq] = []  # in schedule order
+        reqs: list[Request] = []  # the Request of each entry of seqs
+        placeholders = self.config.async_scheduling
+        # The decode hot loop: every running request, every step. Locals and inlined
+        # checks keep it at a few attribute reads per request; a decode token that
+        # needs no new block (or exactly one) takes allocate_slots' fast path.
+        allocate = self.kv.allocate_slots
+        empty = self.kv.empty_kv_cache_blocks
+        new_block_ids = out.new_block_ids
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
+        make_seq = tuple.__new__  # ScheduledSeq(...) without its Python-level __new__
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:
+            if req.status is not running_status:
                 continue  # preempted earlier in this loop
             pending = req.num_output_placeholders
-            if pending and self._ends_by_length(req):
-                continue  # its in-flight token is its last: schedule nothing more
-            num_new = min(req.num_tokens + pending - req.num_computed_tokens, budget)
+            num_tokens = len(req.all_token_ids)
+            if pending:
+                # Its in-flight tokens already reach max_tokens or max_model_len: the
+                # last one is on its way, schedule nothing more.
+                num_output = len(req.output_token_ids) + pending
+                params = req.sampling_params
+                if (
+                    params is not None and num_output >= params.max_tokens
+                ) or num_tokens + pending >= max_model_len:
+                    continue
+            else:
+                num_output = len(req.output_token_ids)
+            num_computed = req.num_computed_tokens
+            num_new = num_tokens + pending - num_computed
+            if num_new > budget:
+                num_new = budget
             if num_new <= 0:
                 continue
-            while (new_blocks := self.kv.allocate_slots(req, num_new)) is None:
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
-                    out.new_block_ids.pop(victim.request_id, None)
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue
-            if any(new_blocks.blocks):
-                out.new_block_ids[req.request_id] = new_blocks.get_block_ids()
-            scheduled[req.request_id] = ScheduledSeq(
-                req.request_id,
-                req.num_computed_tokens,
-                num_new,
-                req.num_output_tokens + pending,
-                req.num_computed_tokens + num_new == req.num_tokens + pending,
+            new_blocks = allocate(req, num_new)
+            if new_blocks is None:
+                while new_blocks is None:
+                    victim = self._pick_victim()
+                    budget += self._unschedule(victim, seqs, reqs)
+                    new_block_ids.pop(victim.request_id, None)
+                    self._preempt(victim, out)
+                    if victim is req:
+                        break
+                    new_blocks = allocate(req, num_new)
+                if req.status is not running_status:
+                    continue
+            if new_blocks is not empty and any(new_blocks.blocks):
+                new_block_ids[req.request_id] = new_blocks.get_block_ids()
+            samples = num_computed + num_new == num_tokens + pending
+            seqs.append(
+                make_seq(ScheduledSeq, (req.request_id, num_computed, num_new, num_output, samples))
             )
+            reqs.append(req)
+            req.num_computed_tokens = num_computed + num_new
+            if placeholders and samples:
+                req.num_output_placeholders = pending + 1
             budget -= num_new
 
         if not out.preempted_req_ids:
-            self._admit(out, scheduled, budget)
+            self._admit(out, seqs, reqs, budget)
         if self._forked or len(self.kv.pending_copies):
             add_fork_rows_and_copies(self, out)
-        out.scheduled = list(scheduled.values())
-        requests = self.requests
-        placeholders = self.config.async_scheduling
-        for seq in out.scheduled:
-            # Optimistic advance, as vLLM: the next step may continue a chunked prefill
-            # before this step's outputs are read.
-            req = requests[seq.req_id]
-            req.num_computed_tokens += seq.num_new_tokens
-            if placeholders and seq.samples:
-                # Async: the sampled token stays on device and feeds the next step.
-                req.num_output_placeholders += 1
+        out.scheduled = seqs
+        out.scheduled_requests = reqs
         return out
 
-    def _ends_by_length(self, req: Request) -> bool:
-        """Whether the request's in-flight tokens already reach max_tokens or max_model_len."""
-        pending = req.num_output_placeholders
-        params = req.sampling_params
-        if params is not None and req.num_output_tokens + pending >= params.max_tokens:
-            return True
-        return req.num_tokens + pending >= self.max_model_len
+    def _unschedule(self, req: Request, seqs: list[ScheduledSeq], reqs: list[Request]) -> int:
+        """Takes a request being preempted back out of this step; returns its tokens."""
+        for i in range(len(reqs) - 1, -1, -1):
+            if reqs[i] is req:
+                seq = seqs.pop(i)
+                del reqs[i]
+                req.num_computed_tokens -= seq.num_new_tokens
+                if self.config.async_scheduling and seq.samples:
+                    req.num_output_placeholders -= 1
+                return seq.num_new_tokens
+        return 0
 
-    def _admit(self, out: SchedulerOutput, scheduled: dict[str, ScheduledSeq], budget: int) -> None:
+    def _admit(
+        self, out: SchedulerOutput, seqs: list[ScheduledSeq], reqs: list[Request], budget: int
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
@@ -241,18 +270,18 @@ class Scheduler:
                 block_ids = self.kv.get_block_ids_per_group(req)
             self.waiting.pop()
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = num_computed
             self.running.append(req)
             out.new_rows.append(
                 NewRow(req.request_id, list(req.all_token_ids), block_ids, num_computed)
             )
-            scheduled[req.request_id] = ScheduledSeq(
-                req.request_id,
-                num_computed,
-                num_new,
-                req.num_output_tokens,
-                num_computed + num_new == req.num_tokens,
+            samples = num_computed + num_new == req.num_tokens
+            seqs.append(
+                ScheduledSeq(req.request_id, num_computed, num_new, req.num_output_tokens, samples)
             )
+            reqs.append(req)
+            req.num_computed_tokens = num_computed + num_new  # the optimistic advance
+            if samples and self.config.async_scheduling:
+                req.num_output_placeholders += 1
             budget -= num_new
 
     def fork_request(self, parent_id: str, child: Request, num_tokens: int | None = None) -> None:
@@ -308,34 +337,34 @@ class Scheduler:
             The requests that finished in this step (already freed).
         """
         finished = []
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
+        max_model_len = self.max_model_len
         for req_id, token in sampled.items():
-            req = self.requests.get(req_id)
+            req = requests.get(req_id)
             if req is None:
                 continue
             if req.num_output_placeholders:
                 # Async: the token was scheduled on; a request preempted meanwhile keeps it.
                 req.num_output_placeholders -= 1
-            elif req.status != RequestStatus.RUNNING:
+            elif req.status is not running_status:
                 continue
             req.append_output_token_ids(token)
-            status = self._check_stop(req, token, eos_token_ids)
+            # Token-level stops (this loop runs for every sequence of every step).
+            params = req.sampling_params
+            status = None
+            if params is not None:
+                num_output = len(req.output_token_ids)
+                if num_output >= params.min_tokens and (
+                    (not params.ignore_eos and token in eos_token_ids)
+                    or token in params.stop_token_ids
+                ):
+                    status = RequestStatus.FINISHED_STOPPED
+                elif num_output >= params.max_tokens:
+                    status = RequestStatus.FINISHED_LENGTH
+            if status is None and len(req.all_token_ids) >= max_model_len:
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(req_id, status)
                 finished.append(req)
         return finished
-
-    def _check_stop(
-        self, req: Request, token: int, eos_token_ids: tuple[int, ...]
-    ) -> RequestStatus | None:
-        params = req.sampling_params
-        n_out = req.num_output_tokens
-        if params is not None and n_out >= params.min_tokens:
-            if not params.ignore_eos and token in eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if params is not None and n_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

@@ -6,19 +6,21 @@ Pure Python. `paged_jax.worker.InputBatch` turns these into a fixed-shape StepIn
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from paged_jax.core.request import Request
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """One sequence of a step: which request, where its new tokens start, how many.
 
     num_output_tokens counts tokens sampled so far, in-flight ones included (it keys
     the sampler's seed); samples is False for a prefill chunk that stops short of the
     request's last known token (its sampled id is garbage and is dropped).
+
+    A NamedTuple (immutable, about 4x cheaper to build than a frozen dataclass): the
+    scheduler makes one per running request per step.
     """
 
     req_id: str
@@ -68,6 +70,9 @@ class SchedulerOutput:
     replaced_block_ids: dict[str, list[tuple[int, int, int]]] = dataclasses.field(
         default_factory=dict
     )
+    # The Request of each entry of `scheduled` (same order), as the scheduler saw them;
+    # empty when the output was built by hand (readers then look requests up by id).
+    scheduled_requests: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,6 +88,20 @@ def decode_step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
     return sorted(shapes)
 
 
+class _RowsSampling(NamedTuple):
+    """A step's padded per-row sampling arrays (a function of the scheduled rows)."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seeds: np.ndarray
+    sample_rows: np.ndarray
+    no_masked: np.ndarray  # i32[S, K] all -1
+    any_min_tokens: bool
+    any_penalty: bool
+
+
 class InputBatch:
     """Persistent per-request rows and the packing of a step's StepInput."""
 
@@ -122,6 +137,10 @@ class InputBatch:
         self.has_penalty = np.zeros(n, bool)
         self.row_of: dict[str, int] = {}
         self.req_of_row: list[str | None] = [None] * n
+        # Bumped whenever a row changes hands: keys the reuse of sampling arrays.
+        self._rows_version = 0
+        self._rows_sampling_cache: tuple[tuple, _RowsSampling] | None = None
+        self._one_to_n = np.arange(1, n + 1, dtype=np.int32)
 
     # ----------------------------------------------------------------- rows
     def add_request(
@@ -136,6 +155,7 @@ class InputBatch:
         """Give a (new or resumed) request a row holding its tokens and block table."""
         assert req_id not in self.row_of, f"request {req_id!r} already has a row: double add"
         row = self.req_of_row.index(None)
+        self._rows_version += 1
         self.row_of[req_id] = row
         self.req_of_row[row] = req_id
         self.num_token_ids[row] = 0
@@ -163,6 +183,7 @@ class InputBatch:
     def remove_request(self, req_id: str) -> None:
         """Free the request's row (its contents are overwritten on reuse)."""
         row = self.row_of.pop(req_id)
+        self._rows_version += 1
         self.req_of_row[row] = None
         for table, num in zip(self.group_block_tables, self.group_num_blocks):
             table[row, : num[row]] = 0
@@ -216,6 +237,36 @@ class InputBatch:
             table[row, start:end] = ids
             num[row] = end
 
+    def append_new_block_ids(
+        self, new_block_ids: dict[str, Sequence[int] | Sequence[Sequence[int]]]
+    ) -> None:
+        """append_block_ids for every request of a step's SchedulerOutput.new_block_ids.
+
+        The common decode case (one group, one new block per request) is one vectorised
+        write; anything else goes request by request.
+        """
+        if len(self.windows) == 1 and len(new_block_ids) > 1:
+            ids = []
+            for block_ids in new_block_ids.values():
+                group = self._per_group(block_ids)[0]
+                if len(group) != 1:
+                    break
+                ids.append(group[0])
+            else:
+                rows = np.fromiter(
+                    map(self.row_of.__getitem__, new_block_ids), np.intp, len(new_block_ids)
+                )
+                num = self.num_blocks
+                ends = num[rows]
+                assert (ends < self.block_tables.shape[1]).all(), (
+                    "block table wider than max_blocks_per_seq"
+                )
+                self.block_tables[rows, ends] = ids
+                num[rows] = ends + 1
+                return
+        for req_id, block_ids in new_block_ids.items():
+            self.append_block_ids(req_id, block_ids)
+
     # ----------------------------------------------------------------- step
     def prepare(
         self, seqs: Sequence[ScheduledSeq], block_copies: Sequence[tuple[int, int]] = ()
@@ -224,21 +275,31 @@ class InputBatch:
         cfg = self.config
         num_seqs = len(seqs)
         assert 0 < num_seqs <= cfg.max_num_seqs, "scheduler broke the max_num_seqs budget"
-        rows = np.fromiter((self.row_of[s.req_id] for s in seqs), np.int64, num_seqs)
-        computed = np.fromiter((s.num_computed_tokens for s in seqs), np.int32, num_seqs)
-        num_new = np.fromiter((s.num_new_tokens for s in seqs), np.int32, num_seqs)
-        num_out = np.fromiter((s.num_output_tokens for s in seqs), np.int32, num_seqs)
-        num_tokens = int(num_new.sum())
+        # The ScheduledSeq columns in one C-level transpose (no per-sequence Python).
+        req_ids, computed_l, num_new_l, num_out_l, _ = zip(*seqs)
+        rows = np.fromiter(map(self.row_of.__getitem__, req_ids), np.intp, num_seqs)
+        computed = np.array(computed_l, np.int32)
+        num_out = np.array(num_out_l, np.int32)
+        num_new = np.array(num_new_l, np.int32)
+        # Every sequence has exactly one new token: token i is sequence i's, at
+        # position computed[i], and the per-token index arithmetic is skipped.
+        decode_only = min(num_new_l) == 1 and max(num_new_l) == 1
+        num_tokens = num_seqs if decode_only else int(num_new.sum())
         assert num_tokens <= cfg.max_num_batched_tokens, "scheduler broke the token budget"
         t_pad = bucket_for(num_tokens, cfg.token_buckets)
         s_pad = bucket_for(num_seqs, cfg.seq_buckets)
 
-        cu = np.cumsum(num_new)
-        # Per token: which scheduled sequence it belongs to and its offset in the chunk.
-        seq_of_token = np.repeat(np.arange(num_seqs), num_new)
-        offset = np.arange(num_tokens) - np.repeat(cu - num_new, num_new)
-        pos = computed[seq_of_token] + offset
-        row_of_token = rows[seq_of_token]
+        if decode_only:
+            cu = self._one_to_n[:num_seqs]
+            pos = computed
+            row_of_token = rows
+        else:
+            cu = np.cumsum(num_new)
+            # Per token: which scheduled sequence it belongs to and its offset in the chunk.
+            seq_of_token = np.repeat(np.arange(num_seqs), num_new)
+            offset = np.arange(num_tokens) - np.repeat(cu - num_new, num_new)
+            pos = computed[seq_of_token] + offset
+            row_of_token = rows[seq_of_token]
 
         token_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
@@ -251,17 +312,20 @@ class InputBatch:
         )
         positions[:num_tokens] = pos
         slot_mappings, block_tables = [], []
+        block_size = self.block_size
+        block_index = pos // block_size
+        block_offset = pos % block_size
         for table, window in zip(self.group_block_tables, self.windows):
             slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
-            block_ids = table[row_of_token, pos // self.block_size]
+            block_ids = table[row_of_token, block_index]
             assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
-            slot_mapping[:num_tokens] = block_ids * self.block_size + pos % self.block_size
+            slot_mapping[:num_tokens] = block_ids * block_size + block_offset
             tables = np.zeros((s_pad, table.shape[1]), np.int32)
             tables[:num_seqs] = table[rows]
             if window is not None:
                 # Blocks wholly below this step's window were freed (and may be reused):
                 # null them, exactly as SlidingWindowManager did before this step.
-                num_dead = np.maximum(computed - window + 1, 0) // self.block_size
+                num_dead = np.maximum(computed - window + 1, 0) // block_size
                 cols = np.arange(table.shape[1])
                 tables[:num_seqs][cols[None, :] < num_dead[:, None]] = 0
             slot_mappings.append(slot_mapping)
@@ -273,22 +337,25 @@ class InputBatch:
         query_start_loc[1 : num_seqs + 1] = cu
         logits_indices = np.zeros(s_pad, np.int32)
         logits_indices[:num_seqs] = cu - 1
+        counters = np.zeros(s_pad, np.int32)
+        counters[:num_seqs] = num_out
+
+        rows_sampling = self._rows_sampling(rows, s_pad)
 
         def padded(buf: np.ndarray, fill) -> np.ndarray:
             out = np.full((s_pad, *buf.shape[1:]), fill, buf.dtype)
             out[:num_seqs] = buf[rows]
             return out
 
-        masked = padded(self.stop_ids, -1)
-        active = np.zeros(s_pad, bool)
-        active[:num_seqs] = num_out < self.min_tokens[rows]
-        masked[~active] = -1
-        counters = np.zeros(s_pad, np.int32)
-        counters[:num_seqs] = num_out
-        sample_rows = np.full(s_pad, len(self.req_of_row), np.int32)
-        sample_rows[:num_seqs] = rows
+        if rows_sampling.any_min_tokens:
+            masked = padded(self.stop_ids, -1)
+            active = np.zeros(s_pad, bool)
+            active[:num_seqs] = num_out < self.min_tokens[rows]
+            masked[~active] = -1
+        else:  # nothing banned: the same all -1 array every step
+            masked = rows_sampling.no_masked
         penalties = {}
-        if self.has_penalty[rows].any():
+        if rows_sampling.any_penalty:
             penalties = dict(
                 presence_penalty=padded(self.presence_penalty, 0.0),
                 frequency_penalty=padded(self.frequency_penalty, 0.0),
@@ -304,15 +371,15 @@ class InputBatch:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             logits_indices=logits_indices,
-            temperature=padded(self.temperature, 0.0),
-            top_k=padded(self.top_k, 0),
-            top_p=padded(self.top_p, 1.0),
-            min_p=padded(self.min_p, 0.0),
-            seeds=padded(self.seeds, 0),
+            temperature=rows_sampling.temperature,
+            top_k=rows_sampling.top_k,
+            top_p=rows_sampling.top_p,
+            min_p=rows_sampling.min_p,
+            seeds=rows_sampling.seeds,
             counters=counters,
             masked_token_ids=masked,
             token_rows=token_rows,
-            sample_rows=sample_rows,
+            sample_rows=rows_sampling.sample_rows,
             copy_src=copy_src,
             copy_dst=copy_dst,
             num_tokens=num_tokens,
@@ -320,8 +387,38 @@ class InputBatch:
             extra_slot_mappings=tuple(slot_mappings[1:]),
             extra_block_tables=tuple(block_tables[1:]),
             **penalties,
-            decode_only=bool((num_new == 1).all()),
+            decode_only=decode_only,
         )
+
+    def _rows_sampling(self, rows: np.ndarray, s_pad: int) -> _RowsSampling:
+        """The step's per-row sampling arrays, reused while the scheduled rows and their
+        requests stay the same (the usual decode step); never written after packing."""
+        key = (rows.tobytes(), s_pad, self._rows_version)
+        cached = self._rows_sampling_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        num_seqs = len(rows)
+
+        def padded(buf: np.ndarray, fill) -> np.ndarray:
+            out = np.full((s_pad, *buf.shape[1:]), fill, buf.dtype)
+            out[:num_seqs] = buf[rows]
+            return out
+
+        sample_rows = np.full(s_pad, len(self.req_of_row), np.int32)
+        sample_rows[:num_seqs] = rows
+        entry = _RowsSampling(
+            temperature=padded(self.temperature, 0.0),
+            top_k=padded(self.top_k, 0),
+            top_p=padded(self.top_p, 1.0),
+            min_p=padded(self.min_p, 0.0),
+            seeds=padded(self.seeds, 0),
+            sample_rows=sample_rows,
+            no_masked=np.full((s_pad, self.stop_ids.shape[1]), -1, np.int32),
+            any_min_tokens=bool((self.min_tokens[rows] > 0).any()),
+            any_penalty=bool(self.has_penalty[rows].any()),
+        )
+        self._rows_sampling_cache = (key, entry)
+        return entry
 
     def _copies(self, pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         width = self.config.max_num_seqs

@@ -98,17 +98,28 @@ def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 
 
 class PendingStep:
-    """A dispatched step whose sampler outputs are being copied to the host."""
+    """A dispatched step whose sampler outputs are being copied to the host.
 
-    def __init__(self, out: SamplerOutput, num_seqs: int):
-        for array in out:
-            array.copy_to_host_async()
+    with_logprobs=False copies only the sampled ids (each copied output costs host
+    time every step); the result's logprob fields are then None.
+    """
+
+    def __init__(self, out: SamplerOutput, num_seqs: int, with_logprobs: bool = True):
+        if with_logprobs:
+            for array in out:
+                array.copy_to_host_async()
+        else:
+            out.token_ids.copy_to_host_async()
         self._out = out
         self._num_seqs = num_seqs
+        self._with_logprobs = with_logprobs
 
     def result(self) -> StepResult:
         """Waits for the step and returns the samples of its real sequences."""
-        out, n = jax.device_get(self._out), self._num_seqs
+        n = self._num_seqs
+        if not self._with_logprobs:
+            return StepResult(np.asarray(self._out.token_ids)[:n], None, None, None)
+        out = jax.device_get(self._out)
         return StepResult(
             np.asarray(out.token_ids[:n]),
             np.asarray(out.logprobs[:n]),
@@ -119,12 +130,15 @@ class PendingStep:
 
 @dataclasses.dataclass
 class StepResult:
-    """Host copies of the sampler's outputs for the real (unpadded) sequences."""
+    """Host copies of the sampler's outputs for the real (unpadded) sequences.
+
+    The logprob fields are None for a step dispatched with with_logprobs=False.
+    """
 
     token_ids: np.ndarray  # i32[num_seqs]
-    logprobs: np.ndarray  # f32[num_seqs]
-    top_token_ids: np.ndarray  # i32[num_seqs, MAX_LOGPROBS]
-    top_logprobs: np.ndarray  # f32[num_seqs, MAX_LOGPROBS]
+    logprobs: np.ndarray | None  # f32[num_seqs]
+    top_token_ids: np.ndarray | None  # i32[num_seqs, MAX_LOGPROBS]
+    top_logprobs: np.ndarray | None  # f32[num_seqs, MAX_LOGPROBS]
 
 
 class Runner:
@@ -238,18 +252,19 @@ class Runner:
         self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,), **tp_out)
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
+        self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ step
     def execute(self, step: StepInput) -> StepResult:
         """Runs one bucketed step; returns the samples of the real sequences."""
         return self.dispatch(step).result()
 
-    def dispatch(self, step: StepInput) -> PendingStep:
+    def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
         """Launches one bucketed step without waiting for it (JAX async dispatch).
 
         The sampled ids also land in ``row_tokens`` (device), where the next step's
         placeholder tokens read them; the host copy starts now and is read by
-        ``PendingStep.result()``.
+        ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
         """
         attn = AttentionMetadata(
             slot_mapping=step.slot_mapping,
@@ -290,7 +305,7 @@ class Runner:
         if err is not None:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
         self.num_decode_only_steps += step.decode_only and step.num_seqs > 0
-        return PendingStep(out, step.num_seqs)
+        return PendingStep(out, step.num_seqs, with_logprobs)
 
     def set_kv_scales(self, scales: Any) -> None:
         """Replaces the fp8 per-layer scales f32[num_layers, 2] (k, v); never recompiles.
@@ -317,8 +332,10 @@ class Runner:
                 width = self.config.max_model_len
                 self._zero_history[s] = jax.device_put(np.zeros((s, width), np.int32))
             history = self._zero_history[s]
-            presence = frequency = np.zeros(s, np.float32)
-            repetition = np.ones(s, np.float32)
+            if s not in self._neutral_penalties:  # read-only constants, made once
+                self._neutral_penalties[s] = (np.zeros(s, np.float32), np.ones(s, np.float32))
+            presence, repetition = self._neutral_penalties[s]
+            frequency = presence
         return dict(
             presence_penalty=presence,
             frequency_penalty=frequency,
