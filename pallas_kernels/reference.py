@@ -22,8 +22,8 @@ from pallas_kernels.validation import (
     validate_write_kv,
 )
 
-# Tokens attended per lax.map step in the ragged reference: bounds the gathered K/V to
-# chunk * context instead of num_tokens * context.
+# Query rows attended per lax.map step (ragged and decode references): bounds the
+# gathered K/V to chunk * context instead of num_rows * context.
 _RAGGED_CHUNK = 16
 # Context tokens gathered per step of the loop over a row group's keys.
 _KV_CHUNK_TOKENS = 128
@@ -117,6 +117,38 @@ def _attend_rows(
     return o.reshape(n, num_q_heads, head_dim)
 
 
+def _attend_row_groups(
+    q,  # f[n, num_q_heads, head_dim]
+    k_cache,
+    v_cache,
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq,  # i32[n]: each query row's sequence
+    pos,  # i32[n]: each row's position; -1 = padding (sees nothing)
+    **attend,
+):  # -> f32[n, num_q_heads, head_dim]
+    """_attend_rows over groups of _RAGGED_CHUNK rows (lax.map).
+
+    A group gathers only its own rows' tables and loops only to its own longest context,
+    so rows of very different lengths do not pay for each other, and the gathered tile
+    stays small. Decode (one row per sequence) and ragged batches share it: on XLA CPU a
+    64-row decode step runs about 1.5x faster in groups of 16 than as one group.
+    """
+    n, num_q_heads, head_dim = q.shape
+    chunk = min(_RAGGED_CHUNK, n)
+    padded = -(-n // chunk) * chunk
+    pad = padded - n
+    q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, num_q_heads, head_dim)
+    seq_p = jnp.pad(seq, (0, pad)).reshape(-1, chunk)
+    pos_p = jnp.pad(pos, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+    def one_group(args):
+        q_c, seq_c, pos_c = args
+        return _attend_rows(q_c, k_cache, v_cache, block_tables[seq_c], pos_c, **attend)
+
+    o = jax.lax.map(one_group, (q_p, seq_p, pos_p))
+    return o.reshape(padded, num_q_heads, head_dim)[:n]
+
+
 @partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "validate"))
 def paged_attention(
     q,  # f[num_seqs, num_q_heads, head_dim]
@@ -149,11 +181,12 @@ def paged_attention(
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens)
-    o = _attend_rows(
+    o = _attend_row_groups(
         q,
         k_cache,
         v_cache,
         block_tables,
+        jnp.arange(seq_lens.shape[0], dtype=jnp.int32),
         seq_lens - 1,
         scale=scale,
         sliding_window=sliding_window,
@@ -218,32 +251,21 @@ def ragged_paged_attention(
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
-    num_tokens, num_q_heads, head_dim = q.shape
-    seq, pos, _ = token_seq_positions(query_start_loc, seq_lens, num_tokens)
-    chunk = min(_RAGGED_CHUNK, num_tokens)
-    padded = -(-num_tokens // chunk) * chunk
-    pad = padded - num_tokens
-    q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, num_q_heads, head_dim)
-    seq_p = jnp.pad(seq, (0, pad)).reshape(-1, chunk)
-    pos_p = jnp.pad(pos, (0, pad), constant_values=-1).reshape(-1, chunk)
-
-    def one_chunk(args):
-        q_c, seq_c, pos_c = args
-        return _attend_rows(
-            q_c,
-            k_cache,
-            v_cache,
-            block_tables[seq_c],
-            pos_c,
-            scale=scale,
-            sliding_window=sliding_window,
-            soft_cap=soft_cap,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
-
-    o = jax.lax.map(one_chunk, (q_p, seq_p, pos_p))
-    return o.reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
+    seq, pos, _ = token_seq_positions(query_start_loc, seq_lens, q.shape[0])
+    o = _attend_row_groups(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq,
+        pos,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    return o.astype(q.dtype)
 
 
 def slots_to_indices(slot_mapping, num_blocks: int, block_size: int):  # -> (i32[n], i32[n])
