@@ -128,11 +128,11 @@ class PagedSystem:
         self._counts = [0, 0, 0]  # scheduled sequences, real tokens, padded tokens
         dispatch = self.engine.runner.dispatch
 
-        def counted(step_input):
+        def counted(step_input, **kwargs):
             self._counts[0] += step_input.num_seqs
             self._counts[1] += step_input.num_tokens
             self._counts[2] += step_input.token_ids.shape[0]
-            return dispatch(step_input)
+            return dispatch(step_input, **kwargs)
 
         self.engine.runner.dispatch = counted
 
