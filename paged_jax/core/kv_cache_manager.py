@@ -12,6 +12,7 @@ from paged_jax.core.copy_on_write import (
     fork_blocks,
     written_shared_blocks,
 )
+from paged_jax.core.decode_fast_path import allocate_decode_slots
 from paged_jax.core.hashing import HASH_ALGOS, BlockHasher
 from paged_jax.core.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
 from paged_jax.core.kv_cache_coordinator import (
@@ -19,6 +20,7 @@ from paged_jax.core.kv_cache_coordinator import (
     KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
+from paged_jax.core.kv_cache_invariants import check_kv_cache_manager
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.request import Request
 from paged_jax.core.single_type_kv_cache_manager import (
@@ -210,52 +212,9 @@ class KVCacheManager:
             and not num_new_computed_tokens
             and not num_lookahead_tokens
         ):
-            # The decode fast path: exactly what the general path below does when the
-            # new tokens fall in one block, either the last held one (unshared:
-            # ref_cnt 1, no copy on write) or the next one: nothing, or one fresh
-            # block from the free queue's head, then cache any block now full.
-            request_id = request.request_id
-            blocks = fast.req_to_blocks.get(request_id)
-            if blocks:
-                start = request.num_computed_tokens
-                end = start + num_new_tokens
-                bs = self.block_size
-                index = start // bs
-                num_held = len(blocks)
-                if (
-                    (end - 1) // bs == index
-                    and end <= self.max_model_len
-                    and (
-                        (index == num_held - 1 and blocks[index].ref_cnt == 1)
-                        or (index == num_held and self.block_pool.free_block_queue.num_free_blocks)
-                    )
-                ):
-                    cache_end = 0  # tokens to cache blocks within (0: none)
-                    if self.enable_caching:
-                        if request.block_hasher is None:
-                            index = -1  # the general path attaches the hasher first
-                        else:
-                            num_tokens = len(request.all_token_ids)
-                            if end < num_tokens:
-                                num_tokens = end
-                            num_full = num_tokens
-                            num_hashed = len(request.block_hashes) * bs
-                            if num_hashed < num_full:
-                                num_full = num_hashed
-                            if num_full // bs > fast.num_cached_block[request_id]:
-                                cache_end = num_tokens
-                    if index == num_held - 1:
-                        if cache_end:
-                            fast.cache_blocks(request, cache_end)
-                        return self.empty_kv_cache_blocks
-                    if index == num_held:
-                        # Allocate before caching, as below (a reused block's eviction
-                        # from the hash map comes first).
-                        new_blocks = self.block_pool.get_new_blocks(1)
-                        blocks.extend(new_blocks)
-                        if cache_end:
-                            fast.cache_blocks(request, cache_end)
-                        return KVCacheBlocks((new_blocks,))
+            new_blocks = allocate_decode_slots(self, fast, request, num_new_tokens)
+            if new_blocks is not None:
+                return new_blocks
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(
                 f"(num_new_tokens, num_new_computed_tokens, num_lookahead_tokens)="
@@ -521,45 +480,6 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Checks pool and table consistency; raises AssertionError on a bug.
 
-        Beyond BlockPool.check_invariants: every block's ref_cnt equals the number
-        of request tables holding it (over all groups) plus its holds by pending
-        copies, no table holds a block twice, the null block appears only as the
-        leading run of a sliding-window table, and exactly the first num_cached real
-        blocks of each table are hashed.
+        See paged_jax.core.kv_cache_invariants.check_kv_cache_manager for the rules.
         """
-        self.block_pool.check_invariants()
-        holders = [0] * self.num_blocks
-        for manager in self.coordinator.managers:
-            window = isinstance(manager, SlidingWindowManager)
-            for request_id, blocks in manager.req_to_blocks.items():
-                ids = [b.block_id for b in blocks if not b.is_null]
-                if len(set(ids)) != len(ids):
-                    raise AssertionError(f"request {request_id!r} holds a block twice: {ids}")
-                num_cached = manager.num_cached_block[request_id]
-                if num_cached > len(blocks):
-                    raise AssertionError(f"request {request_id!r} caches more blocks than held")
-                num_null = 0
-                while num_null < len(blocks) and blocks[num_null].is_null:
-                    num_null += 1
-                for i, block in enumerate(blocks):
-                    if block.is_null:
-                        if not window or i >= num_null:
-                            raise AssertionError(
-                                f"request {request_id!r} holds the null block at {i} in group "
-                                f"{manager.kv_cache_group_id} (only a window's leading run may)"
-                            )
-                        continue
-                    if (block.block_hash is not None) != (i < num_cached):
-                        raise AssertionError(
-                            f"request {request_id!r} block {i} (id {block.block_id}) hashed "
-                            f"state disagrees with num_cached_block={num_cached}"
-                        )
-                    holders[block.block_id] += 1
-        holds = self.pending_copies.holds
-        for block in self.block_pool.blocks[1:]:
-            held = holds.get(block.block_id, 0)
-            if block.ref_cnt != holders[block.block_id] + held:
-                raise AssertionError(
-                    f"block {block.block_id} ref_cnt={block.ref_cnt} but "
-                    f"{holders[block.block_id]} requests and {held} pending copies hold it"
-                )
+        check_kv_cache_manager(self)

@@ -7,10 +7,16 @@ slots hold random data. Block tables use a random permutation of the block ids.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import export
+
+# The custom call a Pallas Triton kernel lowers to.
+TRITON_CALL = "__gpu$xla.gpu.triton"
 
 # Per-dtype tolerances, stated once. f32: the kernel and reference differ only in
 # summation order. bf16: inputs are bf16, the kernel feeds bf16 probabilities to the
@@ -131,3 +137,23 @@ def assert_close(actual, expected, dtype: str) -> None:
     actual = np.asarray(jnp.asarray(actual).astype(jnp.float32))
     assert np.isfinite(actual).all(), "output has NaN/inf: poison leaked"
     np.testing.assert_allclose(actual, np.asarray(expected, np.float32), **TOL[dtype])
+
+
+def h200_target():
+    """A context in which Pallas lowers for an (abstract) H200: 132 SMs, sm_90."""
+    if not hasattr(jax.sharding, "AbstractDevice"):  # pragma: no cover - older jax
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_for_cuda(fn, *shapes) -> str:
+    """StableHLO text of `fn` exported for CUDA (Triton custom calls allowed)."""
+    with h200_target():
+        exported = export.export(
+            fn if hasattr(fn, "lower") else jax.jit(fn),
+            platforms=("cuda",),
+            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+        )(*shapes)
+    return exported.mlir_module()

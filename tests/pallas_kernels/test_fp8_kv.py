@@ -207,16 +207,8 @@ def test_fp8_scale_validation_errors():
 def test_fp8_kernels_lower_to_triton(name):
     # Cross-lowering for CUDA on this CPU machine: the fp8 loads, casts and the in-kernel
     # quantization pass the Triton lowering rules (PTX needs a GPU: gpu_checks.sh).
-    from jax import export
-
-    call = "__gpu$xla.gpu.triton"
-
-    def lower(fn, *specs):
-        return export.export(
-            jax.jit(fn),
-            platforms=("cuda",),
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(call)],
-        )(*specs).mlir_module()
+    from pk_testing import TRITON_CALL as call
+    from pk_testing import lower_for_cuda as lower
 
     i32 = jnp.int32
     cache = jax.ShapeDtypeStruct((64, 8, 16, 128), JNP_FP8[name])

@@ -2,14 +2,13 @@
 
 Proves the Triton lowering rules accept each kernel (shapes, indexing, loops, masks)
 without a GPU, on every supported jax (0.10.2 .. 0.12). From jax 0.11 the Triton lowering
-needs a target device; `h200_target()` supplies an abstract H200 (an AbstractMesh with an
+needs a target device; `pk_testing.h200_target()` supplies an abstract H200 (an AbstractMesh with an
 AbstractDevice), which older releases accept too. Compiling the Triton IR to PTX still
 needs a GPU (see test_gpu_kernels.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 
@@ -18,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax import export
+from pk_testing import TRITON_CALL, lower_for_cuda
 
 import pallas_kernels as pk
 from paged_jax.config import EngineConfig
@@ -26,33 +25,12 @@ from paged_jax.models import LlamaForCausalLM, ModelConfig
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import Runner
 
-TRITON_CALL = "__gpu$xla.gpu.triton"
 KERNEL_NAMES = (
     "paged_decode_attention",
     "ragged_paged_attention",
     "paged_write_kv",
     "paged_copy_blocks",
 )
-
-
-def h200_target():
-    """A context in which Pallas lowers for an (abstract) H200: 132 SMs, sm_90."""
-    if not hasattr(jax.sharding, "AbstractDevice"):  # pragma: no cover - older jax
-        return contextlib.nullcontext()
-    device = jax.sharding.AbstractDevice("NVIDIA H200", 132, "gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
-    return jax.sharding.use_abstract_mesh(mesh)
-
-
-def lower_for_cuda(fn, *shapes) -> str:
-    """StableHLO text of `fn` exported for CUDA (Triton custom calls allowed)."""
-    with h200_target():
-        exported = export.export(
-            fn if hasattr(fn, "lower") else jax.jit(fn),
-            platforms=("cuda",),
-            disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-        )(*shapes)
-    return exported.mlir_module()
 
 
 def kernel_calls(text: str) -> dict[str, int]:
