@@ -259,13 +259,9 @@ class Runner:
         """Runs one bucketed step; returns the samples of the real sequences."""
         return self.dispatch(step).result()
 
-    def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
-        """Launches one bucketed step without waiting for it (JAX async dispatch).
-
-        The sampled ids also land in ``row_tokens`` (device), where the next step's
-        placeholder tokens read them; the host copy starts now and is read by
-        ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
-        """
+    def step_args(self, step: StepInput) -> tuple:
+        """The jitted step's positional arguments for one StepInput (the one place they
+        are assembled: dispatch calls the step with them, the lowering test lowers it)."""
         attn = AttentionMetadata(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
@@ -288,7 +284,7 @@ class Runner:
             **self._penalty_fields(step),
         )
         feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
-        result = self._step(
+        return (
             self.weights,
             self.kv_caches,
             self.kv_scales,
@@ -300,6 +296,15 @@ class Runner:
             samp,
             (step.copy_src, step.copy_dst),
         )
+
+    def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
+        """Launches one bucketed step without waiting for it (JAX async dispatch).
+
+        The sampled ids also land in ``row_tokens`` (device), where the next step's
+        placeholder tokens read them; the host copy starts now and is read by
+        ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
+        """
+        result = self._step(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
         out, self.kv_caches, self.row_tokens = result
         if err is not None:

@@ -152,44 +152,10 @@ def pallas_runner():
 
 
 def _lower_step(runner: Runner, step) -> str:
-    from paged_jax.models import AttentionMetadata
-    from paged_jax.worker.sampling import SamplingMetadata
-    from paged_jax.worker.token_feed import TokenFeed
-
     def spec(x):
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
-    attn = AttentionMetadata(
-        slot_mapping=step.slot_mapping,
-        block_tables=step.block_tables,
-        seq_lens=step.seq_lens,
-        query_start_loc=step.query_start_loc,
-        logits_indices=step.logits_indices,
-        decode_only=step.decode_only,
-    )
-    samp = SamplingMetadata(
-        temperature=step.temperature,
-        top_k=step.top_k,
-        top_p=step.top_p,
-        min_p=step.min_p,
-        seeds=step.seeds,
-        counters=step.counters,
-        masked_token_ids=step.masked_token_ids,
-        **runner._penalty_fields(step),
-    )
-    feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
-    args = (
-        runner.weights,
-        runner.kv_caches,
-        runner.kv_scales,  # None unless kv_cache_dtype is fp8
-        runner.row_tokens,
-        step.token_ids,
-        step.positions,
-        feed,
-        attn,
-        samp,
-        (step.copy_src, step.copy_dst),
-    )
+    args = runner.step_args(step)
     return lower_for_cuda(runner._step, *jax.tree.map(spec, args))
 
 
