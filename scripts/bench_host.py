@@ -335,8 +335,8 @@ def run_engine_host(num_seqs: int, num_steps: int, *, async_scheduling: bool = T
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_trace_args(parser: argparse.ArgumentParser) -> None:
+    """The trace, pool and scheduler flags (shared with scripts/bench_vllm_manager.py)."""
     parser.add_argument("--num-requests", type=int, default=2000)
     parser.add_argument("--num-blocks", type=int, default=4096, help="including null block 0")
     parser.add_argument("--block-size", type=int, default=16)
@@ -348,6 +348,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-system-prompts", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=32000)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_trace_args(parser)
     parser.add_argument(
         "--engine-seqs",
         type=int,

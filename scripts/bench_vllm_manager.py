@@ -44,7 +44,7 @@ for _path in (REPO, REPO / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from bench_host import make_trace  # noqa: E402
+from bench_host import add_trace_args, make_trace  # noqa: E402
 
 from paged_jax import KVCacheManager, Request, RequestStatus  # noqa: E402
 
@@ -480,17 +480,7 @@ def _git_head() -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=2000)
-    parser.add_argument("--num-blocks", type=int, default=4096, help="including null block 0")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--hash-algo", choices=("sha256", "xxhash"), default="sha256")
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--num-system-prompts", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--seed", type=int, default=0)
+    add_trace_args(parser)
     parser.add_argument("--rounds", type=int, default=5, help="runs per manager (>= 1)")
     parser.add_argument(
         "--warmup-requests",
