@@ -312,8 +312,11 @@ class KVCacheManager:
         """
         self.coordinator.free(_request_id(request))
 
-    def fork(self, parent: Request, child: Request, num_tokens: int | None = None) -> int:
-        """Gives ``child`` the blocks holding ``parent``'s first num_tokens tokens, shared.
+    def fork(
+        self, parent_request: Request, child_request: Request, num_tokens: int | None = None
+    ) -> int:
+        """Gives ``child_request`` the blocks holding ``parent_request``'s first num_tokens
+        tokens, shared.
 
         Every shared block gains one reference (full and partial blocks alike); no KV
         is copied now. The first write into a block that is still shared copies it:
@@ -323,14 +326,14 @@ class KVCacheManager:
         the parent, so not the child's) is not shared; the child recomputes it.
 
         Args:
-            parent: a request holding blocks for at least num_tokens computed tokens.
-            child: a request holding no blocks whose first num_tokens token ids equal
+            parent_request: a request holding blocks for at least num_tokens computed tokens.
+            child_request: a request holding no blocks whose first num_tokens token ids equal
                 the parent's (for example ``parent.fork(...)``).
-            num_tokens: tokens to share; default ``parent.num_computed_tokens``.
+            num_tokens: tokens to share; default ``parent_request.num_computed_tokens``.
 
         Returns:
             How many of the child's tokens are now computed: set
-            ``child.num_computed_tokens`` to it.
+            ``child_request.num_computed_tokens`` to it.
 
         Fork between steps: every computed token of the parent must have its KV
         written, and this step's copies must have been taken.
@@ -340,12 +343,12 @@ class KVCacheManager:
                 requests' tokens differ within num_tokens, or copies are pending.
         """
         if self.enable_caching:
-            self._ensure_hasher(child)
+            self._ensure_hasher(child_request)
         return fork_blocks(
             self.coordinator.managers,
             self.block_pool,
-            parent,
-            child,
+            parent_request,
+            child_request,
             num_tokens,
             self.pending_copies,
         )
