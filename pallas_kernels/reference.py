@@ -22,27 +22,36 @@ from pallas_kernels.validation import (
     validate_write_kv,
 )
 
-# Query rows attended per lax.map step (ragged and decode references): bounds the
-# gathered K/V to chunk * context instead of num_rows * context.
-_RAGGED_CHUNK = 16
+# Decode reference: query rows (one per sequence) attended per lax.map step; bounds the
+# gathered K/V to _DECODE_GROUP * context instead of num_seqs * context.
+_DECODE_GROUP = 16
+# Ragged reference: tiles of up to _Q_TILE consecutive rows of one sequence share one
+# gathered K/V (one matrix product instead of _Q_TILE matrix-vector ones); _TILE_GROUP
+# tiles per lax.map step. A decode row is a tile of its own (its spare rows compute
+# masked zeros); a prefill chunk gathers each key page once per _Q_TILE rows.
+_Q_TILE = 8
+_TILE_GROUP = 2
 # Context tokens gathered per step of the loop over a row group's keys.
 _KV_CHUNK_TOKENS = 128
 
 
 def _attend_rows(
-    q,  # f[n, num_q_heads, head_dim]
+    q,  # f[n, b, num_q_heads, head_dim]: n tiles of b query rows of one sequence each
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
-    block_rows,  # i32[n, max_blocks_per_seq]: each query row's block table
-    positions,  # i32[n]: each row's position; it sees keys in (pos - window, pos]; -1 = none
+    block_rows,  # i32[n, max_blocks_per_seq]: each tile's block table
+    positions,  # i32[n, b]: each row's position; it sees keys in (pos - window, pos]; -1 = none
     *,
     scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
     k_scale=None,  # f32 scalar or None: dequantization scale of an fp8 k_cache
     v_scale=None,  # f32 scalar or None
-):  # -> f32[n, num_q_heads, head_dim]
-    """Masked attention of n query rows over their block tables, f32 accumulation.
+):  # -> f32[n, b, num_q_heads, head_dim]
+    """Masked attention of n query tiles over their block tables, f32 accumulation.
+
+    The b rows of a tile share one block table (one sequence), so its keys are gathered
+    once for all b rows and the scores are a matrix product; decode rows are tiles of 1.
 
     An fp8 cache is dequantized on read (see quantization.py): the gathered tile is cast
     to q's dtype (exact), scores are multiplied by k_scale, the output by v_scale.
@@ -52,7 +61,7 @@ def _attend_rows(
     that hold a key some row can see are visited: a dynamic loop bound keeps the work
     proportional to the rows' real context, not to the block table's padded width.
     """
-    n, num_q_heads, head_dim = q.shape
+    n, b, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, min(block_rows.shape[1], _KV_CHUNK_TOKENS // block_size))
@@ -62,7 +71,7 @@ def _attend_rows(
         block_rows, ((0, 0), (0, num_chunks * blocks_per_chunk - block_rows.shape[1]))
     )
     chunk_tokens = blocks_per_chunk * block_size
-    qg = q.reshape(n, num_kv_heads, group, head_dim)
+    qg = q.reshape(n, b, num_kv_heads, group, head_dim)
     fp8 = is_fp8(k_cache.dtype)
 
     def gather(cache, blocks):  # -> f[n, num_kv_heads, chunk_tokens, head_dim]
@@ -71,31 +80,33 @@ def _attend_rows(
         return pages.reshape(n, num_kv_heads, chunk_tokens, head_dim)
 
     def step(c, carry):
-        m, denom, acc = carry  # f32[n, kv_heads, group] x2, f32[n, kv_heads, group, head_dim]
+        m, denom, acc = carry  # f32[n, kv_heads, group, b] x2, f32[n, kv_heads, group, b, d]
         blocks = jax.lax.dynamic_slice_in_dim(block_rows, c * blocks_per_chunk, blocks_per_chunk, 1)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        visible = key_pos[None, :] <= positions[:, None]  # bool[n, chunk_tokens]
+        visible = key_pos <= positions[..., None]  # bool[n, b, chunk_tokens]
         if sliding_window is not None:
-            visible &= key_pos[None, :] > positions[:, None] - sliding_window
+            visible &= key_pos > positions[..., None] - sliding_window
         k = gather(k_cache, blocks)
         if fp8:
             k = k.astype(q.dtype)
-        # Zero V outside the visible range: a masked probability of 0 times a NaN/inf in
-        # an unused slot (or the null block) would otherwise still poison the output.
-        v = jnp.where(visible[:, None, :, None], gather(v_cache, blocks), 0)
-        s = jnp.einsum("nhgd,nhkd->nhgk", qg, k, preferred_element_type=jnp.float32) * scale
+        # Zero V outside every row's visible range: a masked probability of 0 times a
+        # NaN/inf in an unused slot (or the null block) would otherwise poison the output.
+        seen = jnp.any(visible, axis=1)  # bool[n, chunk_tokens]
+        v = jnp.where(seen[:, None, :, None], gather(v_cache, blocks), 0)
+        s = jnp.einsum("nbhgd,nhkd->nhgbk", qg, k, preferred_element_type=jnp.float32) * scale
         if fp8 and k_scale is not None:
             s = s * k_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = visible[:, None, None, :]
+        mask = visible[:, None, None, :, :]
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
         alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
         denom = denom * alpha + jnp.sum(p, axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nhgk,nhkd->nhgd", p, v.astype(jnp.float32))
+        pv = jnp.einsum("nhgbk,nhkd->nhgbd", p, v.astype(jnp.float32))
+        acc = acc * alpha[..., None] + pv
         return m_new, denom, acc
 
     # Chunks [first, last] hold every key some row sees; rows at position -1 see none.
@@ -106,46 +117,79 @@ def _attend_rows(
         lowest = jnp.min(jnp.where(valid, positions - sliding_window + 1, jnp.iinfo(jnp.int32).max))
         first = jnp.maximum(lowest, 0) // chunk_tokens
     init = (
-        jnp.full((n, num_kv_heads, group), -jnp.inf, jnp.float32),
-        jnp.zeros((n, num_kv_heads, group), jnp.float32),
-        jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32),
+        jnp.full((n, num_kv_heads, group, b), -jnp.inf, jnp.float32),
+        jnp.zeros((n, num_kv_heads, group, b), jnp.float32),
+        jnp.zeros((n, num_kv_heads, group, b, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first, last + 1, step, init)
     o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that see nothing give exactly 0
     if fp8 and v_scale is not None:
         o = o * v_scale
-    return o.reshape(n, num_q_heads, head_dim)
+    # [n, kv_heads, group, b, d] -> [n, b, kv_heads * group, d]
+    return o.transpose(0, 3, 1, 2, 4).reshape(n, b, num_q_heads, head_dim)
 
 
-def _attend_row_groups(
-    q,  # f[n, num_q_heads, head_dim]
+def _attend_tile_groups(
+    q,  # f[n, b, num_q_heads, head_dim]: query tiles
     k_cache,
     v_cache,
     block_tables,  # i32[num_seqs, max_blocks_per_seq]
-    seq,  # i32[n]: each query row's sequence
-    pos,  # i32[n]: each row's position; -1 = padding (sees nothing)
+    seq,  # i32[n]: each tile's sequence
+    pos,  # i32[n, b]: each row's position; -1 = padding (sees nothing)
+    tiles_per_group: int,
     **attend,
-):  # -> f32[n, num_q_heads, head_dim]
-    """_attend_rows over groups of _RAGGED_CHUNK rows (lax.map).
+):  # -> f32[n, b, num_q_heads, head_dim]
+    """_attend_rows over groups of ``tiles_per_group`` tiles (lax.map).
 
-    A group gathers only its own rows' tables and loops only to its own longest context,
-    so rows of very different lengths do not pay for each other, and the gathered tile
-    stays small. Decode (one row per sequence) and ragged batches share it.
+    A group gathers only its own tiles' tables and loops only to its own longest context,
+    so tiles of very different lengths do not pay for each other, and the gathered K/V
+    stays small; a group of padding tiles runs no loop step at all.
     """
-    n, num_q_heads, head_dim = q.shape
-    chunk = min(_RAGGED_CHUNK, n)
+    n, b, num_q_heads, head_dim = q.shape
+    chunk = min(tiles_per_group, n)
     padded = -(-n // chunk) * chunk
     pad = padded - n
-    q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(-1, chunk, num_q_heads, head_dim)
+    q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(
+        -1, chunk, b, num_q_heads, head_dim
+    )
     seq_p = jnp.pad(seq, (0, pad)).reshape(-1, chunk)
-    pos_p = jnp.pad(pos, (0, pad), constant_values=-1).reshape(-1, chunk)
+    pos_p = jnp.pad(pos, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, b)
 
     def one_group(args):
         q_c, seq_c, pos_c = args
         return _attend_rows(q_c, k_cache, v_cache, block_tables[seq_c], pos_c, **attend)
 
     o = jax.lax.map(one_group, (q_p, seq_p, pos_p))
-    return o.reshape(padded, num_q_heads, head_dim)[:n]
+    return o.reshape(padded, b, num_q_heads, head_dim)[:n]
+
+
+def query_tiles(
+    query_start_loc,  # i32[num_seqs + 1]
+    seq_lens,  # i32[num_seqs]
+    num_tokens: int,
+    tile: int,
+):  # -> (i32[n] seq, i32[n, tile] row, i32[n, tile] position), n = static tile count
+    """Cuts each sequence's new tokens into tiles of at most ``tile`` consecutive rows.
+
+    Tiles never straddle sequences, so a tile's rows share one block table (a decode row
+    is a tile of its own). The tile count is static: the sum over sequences of
+    cdiv(q_len, tile) is <= num_tokens // tile + min(S, num_tokens). Unused tiles and rows
+    past a tile's tokens get row = num_tokens (out of range: their output is dropped)
+    and position -1 (they see nothing).
+    """
+    num_seqs = seq_lens.shape[0]
+    n = num_tokens // tile + min(num_seqs, num_tokens)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    tiles_per_seq = (q_len + tile - 1) // tile
+    ends = jnp.cumsum(tiles_per_seq)
+    i = jnp.arange(n, dtype=jnp.int32)
+    s = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, num_seqs - 1).astype(jnp.int32)
+    j = i - (ends[s] - tiles_per_seq[s])  # tile index within its sequence
+    offset = j[:, None] * tile + jnp.arange(tile, dtype=jnp.int32)  # row within the sequence
+    live = (i < ends[-1])[:, None] & (offset < q_len[s][:, None])
+    row = jnp.where(live, query_start_loc[s][:, None] + offset, num_tokens)
+    position = jnp.where(live, seq_lens[s][:, None] - q_len[s][:, None] + offset, -1)
+    return s, row.astype(jnp.int32), position.astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "validate"))
@@ -180,40 +224,21 @@ def paged_attention(
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens)
-    o = _attend_row_groups(
-        q,
+    o = _attend_tile_groups(
+        q[:, None],
         k_cache,
         v_cache,
         block_tables,
         jnp.arange(seq_lens.shape[0], dtype=jnp.int32),
-        seq_lens - 1,
+        (seq_lens - 1)[:, None],
+        tiles_per_group=_DECODE_GROUP,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
-    )
+    )[:, 0]
     return o.astype(q.dtype)
-
-
-def token_seq_positions(
-    query_start_loc,  # i32[num_seqs + 1]
-    seq_lens,  # i32[num_seqs]
-    num_tokens: int,
-):  # -> (i32[num_tokens] seq index, i32[num_tokens] position, bool[num_tokens] valid)
-    """Maps each flat query row to its sequence and its position in that sequence.
-
-    Row t of sequence i (qsl[i] <= t < qsl[i+1]) sits at position
-    seq_lens[i] - (qsl[i+1] - qsl[i]) + (t - qsl[i]): the new tokens are the last ones.
-    Rows at or past qsl[-1] are padding (valid=False, position -1: they see nothing).
-    """
-    num_seqs = seq_lens.shape[0]
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(query_start_loc, t, side="right").astype(jnp.int32) - 1
-    seq = jnp.clip(seq, 0, num_seqs - 1)
-    valid = (t >= query_start_loc[seq]) & (t < query_start_loc[seq + 1])
-    pos = seq_lens[seq] - query_start_loc[seq + 1] + t
-    return seq, jnp.where(valid, pos, -1), valid
 
 
 @partial(jax.jit, static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "validate"))
@@ -250,21 +275,26 @@ def ragged_paged_attention(
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
-    seq, pos, _ = token_seq_positions(query_start_loc, seq_lens, q.shape[0])
-    o = _attend_row_groups(
-        q,
+    num_tokens = q.shape[0]
+    seq, row, pos = query_tiles(query_start_loc, seq_lens, num_tokens, _Q_TILE)
+    o = _attend_tile_groups(
+        q.at[row].get(mode="fill", fill_value=0),
         k_cache,
         v_cache,
         block_tables,
         seq,
         pos,
+        tiles_per_group=_TILE_GROUP,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    return o.astype(q.dtype)
+    # Each real row is in exactly one tile; padding rows (past query_start_loc[-1]) stay 0.
+    out = jnp.zeros((num_tokens,) + q.shape[1:], jnp.float32)
+    out = out.at[row.reshape(-1)].set(o.reshape((-1,) + q.shape[1:]), mode="drop")
+    return out.astype(q.dtype)
 
 
 def slots_to_indices(slot_mapping, num_blocks: int, block_size: int):  # -> (i32[n], i32[n])

@@ -132,3 +132,63 @@ def test_get_attention_ops_names():
     assert pk.get_attention_ops("pallas").copy_blocks is pk.copy_blocks
     with pytest.raises(ValueError, match=r"name='mosaic' must be one of 'auto', 'pallas'"):
         pk.get_attention_ops("mosaic")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_query_tiles_cover_every_row_once(seed):
+    rng = np.random.default_rng(seed)
+    tile = 4
+    num_seqs = 9
+    q_lens = rng.choice([0, 1, 2, 3, 4, 5, 9, 13], num_seqs).tolist()
+    ctx = [q + int(rng.integers(0, 20)) for q in q_lens]
+    num_tokens = sum(q_lens) + int(rng.integers(0, 6))  # padding rows past the last sequence
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    seq, row, pos = reference.query_tiles(
+        jnp.asarray(qsl), jnp.asarray(ctx, jnp.int32), num_tokens, tile
+    )
+    seq, row, pos = np.asarray(seq), np.asarray(row), np.asarray(pos)
+    assert row.shape == pos.shape and row.shape[1] == tile
+    assert row.shape[0] == num_tokens // tile + min(num_seqs, num_tokens)
+    expected = {}  # row -> (sequence, position) for every real row
+    for s, (q, c) in enumerate(zip(q_lens, ctx)):
+        for k in range(q):
+            expected[int(qsl[s]) + k] = (s, c - q + k)
+    got = {}
+    for i in range(row.shape[0]):
+        live = row[i] < num_tokens
+        assert np.all(pos[i][~live] == -1)
+        assert np.all(np.diff(row[i][live]) == 1)  # consecutive rows of one sequence
+        for r, p in zip(row[i][live], pos[i][live]):
+            assert int(r) not in got
+            got[int(r)] = (int(seq[i]), int(p))
+    assert got == expected
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_reference_ragged_long_chunks_match_naive(window):
+    # Chunks longer than a query tile (several tiles per sequence, a partial last tile),
+    # decode rows between them, empty sequences and padding rows.
+    q_lens = [37, 1, 0, 2, 18, 1, 16, 3]
+    seq_lens = [37, 40, 0, 2, 50, 17, 33, 64]
+    case = make_case(
+        7,
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        num_rows=sum(q_lens) + 5,
+        block_size=8,
+        num_kv_heads=2,
+        group=2,
+        head_dim=32,
+    )
+    out = reference.ragged_paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale=0.2,
+        sliding_window=window,
+    )
+    assert_close(out, naive_attention(case, scale=0.2, sliding_window=window), "float32")
+    assert np.all(np.asarray(out[sum(q_lens) :]) == 0)  # padding rows
