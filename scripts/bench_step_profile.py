@@ -22,8 +22,9 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 
 def _median_ms(times: list[float]) -> float:
@@ -111,24 +112,19 @@ def time_decode_attention(model, repeats: int) -> dict:
     cfg = model.config
     kv_heads = cfg.num_key_value_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    num_seqs, block_size, num_blocks, width = 128, 16, 4096, 32
+    from bench_kernels import BLOCK_SIZE, make_tables
+
+    num_seqs, num_blocks = 128, 4096
     rng = np.random.default_rng(0)
     caches = [
-        jnp.asarray(rng.standard_normal((num_blocks, kv_heads, block_size, head_dim), np.float32))
+        jnp.asarray(rng.standard_normal((num_blocks, kv_heads, BLOCK_SIZE, head_dim), np.float32))
         for _ in range(2)
     ]
-    seq_lens = rng.integers(150, 450, num_seqs).astype(np.int32)
-    tables = np.zeros((num_seqs, width), np.int32)
-    ids = rng.permutation(np.arange(1, num_blocks))
-    cursor = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-int(n) // block_size)
-        tables[i, :nb] = ids[cursor : cursor + nb]
-        cursor += nb
+    contexts = [int(c) for c in rng.integers(150, 450, num_seqs)]
+    tables, seq_lens = make_tables(rng, contexts, num_blocks)
     q = jnp.asarray(rng.standard_normal((num_seqs, cfg.num_attention_heads, head_dim), np.float32))
     ops = pk.get_attention_ops("auto")
     fn = jax.jit(lambda q, t, s: ops.paged_attention(q, *caches, t, s, scale=head_dim**-0.5))
-    tables, seq_lens = jnp.asarray(tables), jnp.asarray(seq_lens)
     fn(q, tables, seq_lens).block_until_ready()
     times = []
     for _ in range(repeats):
