@@ -1,0 +1,55 @@
+"""The project's named values and the small checks every config and request shares.
+
+One source for each: mode strings (as ``Literal`` types and their tuples), bucket
+floors, ceiling division, and the "int but not bool" and "field must be" checks that
+configs raise as ``ValueError(f"{Owner}.{field}={value!r} must be {expected}")``.
+Pure Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NoReturn, get_args
+
+PreemptionMode = Literal["recompute", "swap"]
+SchedulingPolicy = Literal["fcfs", "priority"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# "auto" = the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+HashAlgo = Literal["sha256", "xxhash"]
+
+PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+DTYPES: tuple[str, ...] = get_args(Dtype)
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
+KV_CACHE_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
+HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
+
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for `a` tokens of `b` per block."""
+    return -(-a // b)
+
+
+def is_int(x: object) -> bool:
+    """True for an int that is not a bool (``True`` is not a block size)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: object) -> bool:
+    """True for an int or float that is not a bool."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def fail(owner: object, name: str, expected: str) -> NoReturn:
+    """Raises the ValueError a config gives for a bad field: names owner, field, value, rule.
+
+    Args:
+        owner: the object being validated (its class name and current field value are used).
+        name: the field.
+        expected: what the value must be, e.g. "an int >= 1".
+    """
+    value = getattr(owner, name)
+    raise ValueError(f"{type(owner).__name__}.{name}={value!r} must be {expected}")
