@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler with chunked prefill and preemption (vLLM V1 semantics).
+"""Continuous-batching scheduler with chunked prefill, preemption and forks (vLLM V1 semantics).
 
 Host side, pure Python. Each step serves RUNNING requests first (decodes and the
 next chunks of partial prefills), then admits WAITING ones, within the budgets
@@ -6,7 +6,8 @@ max_num_batched_tokens and max_num_seqs. When a running request cannot get a blo
 the lowest-priority / latest-arrived running request is preempted (recompute: its
 blocks are freed and it restarts from the waiting queue's head; swap: its KV blocks
 are copied to host memory first and copied back into fresh blocks on resume). No
-request is admitted in a step that preempted.
+request is admitted in a step that preempted. A forked request (``fork_request``)
+runs at once on its parent's blocks; the step copies a shared block on first write.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import collections
 import heapq
 import itertools
 
-from paged_jax.config import EngineConfig, cdiv
+from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
+from paged_jax.core.copy_on_write import BlockCopies
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
-from paged_jax.core.scheduler_forks import add_fork_rows_and_copies, fork_running_request
 from paged_jax.core.scheduler_output import NewRow, ScheduledSeq, SchedulerOutput
 
 
@@ -85,7 +87,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.num_usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
+        self.num_usable_blocks = kv_cache_manager.num_usable_blocks
         self.requests: dict[str, Request] = {}
         self.waiting = _WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -140,10 +142,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then admissions if nothing was preempted.
 
-        Every scheduled request is advanced optimistically, as in vLLM: its
-        num_computed_tokens counts this step's tokens (the next step may continue a
-        chunked prefill before this step's outputs are read) and, with async scheduling,
-        a sampling step adds a placeholder for the token that stays on device.
+        There is no prefill or decode phase: each request has computed tokens and
+        known tokens, and a step gives each the tokens that close the gap, within
+        the budget. Every scheduled request is advanced optimistically, as in vLLM:
+        its num_computed_tokens counts this step's tokens (the next step may continue
+        a chunked prefill before this step's outputs are read) and, with async
+        scheduling, a sampling step adds a placeholder for the token that stays on
+        device. Last, after the step's final allocation, forked children enter the
+        batch and the step's copies on write are taken.
         """
         out = SchedulerOutput(removed_req_ids=self._removed)
         self._removed = []
@@ -211,7 +217,16 @@ class Scheduler:
         if not out.preempted_req_ids:
             self._admit(out, seqs, reqs, budget)
         if self._forked or len(self.kv.pending_copies):
-            add_fork_rows_and_copies(self, out)
+            fork_rows = self._forked_rows()
+            for row in fork_rows:
+                # The row carries the child's whole current table.
+                new_block_ids.pop(row.req_id, None)
+            out.new_rows.extend(fork_rows)
+            copies = self.kv.take_pending_copies()
+            out.block_copies = copies.pairs
+            out.replaced_block_ids = self._replaced_block_ids(
+                copies, {row.req_id for row in fork_rows}
+            )
         out.scheduled = seqs
         out.scheduled_requests = reqs
         return out
@@ -284,6 +299,7 @@ class Scheduler:
                 req.num_output_placeholders += 1
             budget -= num_new
 
+    # ------------------------------------------------------------ forks
     def fork_request(self, parent_id: str, child: Request, num_tokens: int | None = None) -> None:
         """Starts ``child`` (see ``Request.fork``) as a running request sharing the parent's blocks.
 
@@ -295,7 +311,53 @@ class Scheduler:
             ValueError: the parent is not running, the child's id is taken, or the
                 batch already holds max_num_seqs requests (see KVCacheManager.fork too).
         """
-        fork_running_request(self, parent_id, child, num_tokens)
+        parent = self.requests.get(parent_id)
+        if parent is None or parent.status != RequestStatus.RUNNING:
+            raise ValueError(f"parent_id={parent_id!r} must name a running request")
+        if child.request_id in self.requests:
+            raise ValueError(
+                f"child.request_id={child.request_id!r} must be unique among live requests"
+            )
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(
+                f"max_num_seqs={self.config.max_num_seqs} requests are running: finish or "
+                f"abort one before forking {parent_id!r}"
+            )
+        child.num_computed_tokens = self.kv.fork(parent, child, num_tokens)
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.append(child)
+        self._forked.append(child)
+
+    def _forked_rows(self) -> list[NewRow]:
+        """Rows of the children forked since the last step that still run (whole tables).
+
+        A child preempted meanwhile gets its row when it resumes; a finished one none.
+        """
+        rows = [
+            NewRow(
+                child.request_id,
+                list(child.all_token_ids),
+                self.kv.get_block_ids_per_group(child),
+                0,
+            )
+            for child in self._forked
+            if child.status == RequestStatus.RUNNING
+        ]
+        self._forked = []
+        return rows
+
+    def _replaced_block_ids(
+        self, copies: BlockCopies, new_row_ids: set[str]
+    ) -> dict[str, list[tuple[int, int, int]]]:
+        """The table slots of running rows that now name a copy (a new row has them already)."""
+        replaced = {}
+        for rid, updates in copies.table_updates.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING or rid in new_row_ids:
+                continue
+            replaced[rid] = list(updates)
+        return replaced
 
     def _pick_victim(self) -> Request:
         if self.config.scheduling_policy == "priority":

@@ -6,10 +6,9 @@ Pure Python. `paged_jax.worker.InputBatch` turns these into a fixed-shape StepIn
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from paged_jax.core.request import Request
+from paged_jax.core.request import Request
 
 
 class ScheduledSeq(NamedTuple):
