@@ -5,7 +5,7 @@ Pure Python; never imports jax.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from paged_jax.core.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
 from paged_jax.core.kv_cache_block import (
@@ -17,11 +17,104 @@ from paged_jax.core.kv_cache_block import (
 
 __all__ = [
     "NULL_BLOCK_ID",
+    "BlockHashToBlockMap",
     "BlockId",
     "BlockPool",
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
 ]
+
+
+class BlockHashToBlockMap:
+    """The prefix cache's index: group-tagged block hash -> cached block(s).
+
+    Blocks are not de-duplicated: a block that becomes full keeps its own id even
+    when an equal block is cached already, because swapping it for the cached one
+    would rewrite a table slot the device has written; block tables stay
+    append-only. So one key can name several blocks.
+
+    Such duplicates are rare (two requests computing the same block at once), so a
+    key maps to a bare KVCacheBlock and becomes a {block_id: block} dict only while
+    it has two or more: one cached block costs no dict of its own (fewer allocations
+    and less garbage-collector work on a large pool).
+    """
+
+    __slots__ = ("_map",)
+
+    def __init__(self) -> None:
+        self._map: dict[BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]] = {}
+
+    def __len__(self) -> int:
+        """Number of distinct keys."""
+        return len(self._map)
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """Any one block cached under key (the oldest), or None."""
+        entry = self._map.get(key)
+        if entry is None or type(entry) is KVCacheBlock:
+            return entry
+        return next(iter(entry.values()))
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        """Adds block under key, beside any block already there."""
+        entry = self._map.get(key)
+        if entry is None:
+            self._map[key] = block
+        elif type(entry) is KVCacheBlock:
+            self._map[key] = {entry.block_id: entry, block.block_id: block}
+        else:
+            entry[block.block_id] = block
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Removes and returns the block with block_id under key (None if absent).
+
+        The other blocks under key stay; a last one left goes back to a bare block.
+        """
+        entry = self._map.get(key)
+        if entry is None:
+            return None
+        if type(entry) is KVCacheBlock:
+            if entry.block_id != block_id:
+                return None
+            del self._map[key]
+            return entry
+        block = entry.pop(block_id, None)
+        if len(entry) == 1:
+            self._map[key] = next(iter(entry.values()))
+        elif not entry:
+            del self._map[key]
+        return block
+
+    def clear(self) -> None:
+        """Forgets every key."""
+        self._map.clear()
+
+    def items(self) -> Iterator[tuple[BlockHashWithGroupId, KVCacheBlock]]:
+        """(key, block) for every cached block; a key with duplicates appears once per block."""
+        for key, entry in self._map.items():
+            if type(entry) is KVCacheBlock:
+                yield key, entry
+            else:
+                for block in entry.values():
+                    yield key, block
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if an entry is malformed or names a block under a stale key.
+
+        Checked: a dict entry holds at least two blocks, keyed by their own ids; every
+        block's block_hash equals the key it is found under.
+        """
+        for entry in self._map.values():
+            if type(entry) is not KVCacheBlock:
+                if len(entry) < 2:
+                    raise AssertionError(
+                        "an empty or single-block duplicate set was left in the hash map"
+                    )
+                if any(block_id != b.block_id for block_id, b in entry.items()):
+                    raise AssertionError("a duplicate set is keyed by the wrong block ids")
+        for key, block in self.items():
+            if block.block_hash != key:
+                raise AssertionError(f"block {block.block_id} is mapped under a stale hash")
 
 
 class BlockPool:
@@ -31,11 +124,8 @@ class BlockPool:
     hashed or cached; it pads block tables. Usable capacity is num_blocks - 1.
 
     Eviction is lazy: a freed hashed block stays in the hash map (and can be hit and
-    revived by ``touch``) until ``get_new_blocks`` pops it for reuse.
-
-    The hash map allows duplicates (no de-duplication: a newly full block keeps its
-    own id even if an equal block is cached), so a key maps to one block or, rarely,
-    to a {block_id: block} dict.
+    revived by ``touch``) until ``get_new_blocks`` pops it for reuse. The map
+    (``cached_block_hash_to_block``, a BlockHashToBlockMap) may hold equal blocks.
 
     Args:
         num_blocks: total blocks including the null block (>= 2).
@@ -51,9 +141,7 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        self.cached_block_hash_to_block: dict[
-            BlockHashWithGroupId, KVCacheBlock | dict[int, KVCacheBlock]
-        ] = {}
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
 
     # -- lookup and caching -------------------------------------------------
 
@@ -70,11 +158,8 @@ class BlockPool:
         return out
 
     def lookup(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        """The first cached block under a group-tagged key, or None (the hot-path lookup)."""
-        entry = self.cached_block_hash_to_block.get(key)
-        if entry is None or type(entry) is KVCacheBlock:
-            return entry
-        return next(iter(entry.values()))
+        """A cached block under a group-tagged key, or None (the hit search's lookup)."""
+        return self.cached_block_hash_to_block.get_one_block(key)
 
     def cache_full_blocks(
         self,
@@ -98,8 +183,7 @@ class BlockPool:
         assert len(block_hashes) >= num_full_blocks, (
             "a block is being cached before its hash exists: the request's hasher lags"
         )
-        cache = self.cached_block_hash_to_block
-        suffix = kv_cache_group_id.to_bytes(4, "big")
+        insert = self.cached_block_hash_to_block.insert
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
@@ -107,30 +191,14 @@ class BlockPool:
             assert block.block_hash is None, (
                 f"block {block.block_id} is cached twice: num_cached_blocks is stale"
             )
-            key = block_hashes[i] + suffix
+            key = make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id)
             block.block_hash = key
-            entry = cache.get(key)
-            if entry is None:
-                cache[key] = block
-            elif type(entry) is KVCacheBlock:
-                cache[key] = {entry.block_id: entry, block.block_id: block}
-            else:
-                entry[block.block_id] = block
+            insert(key, block)
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         """Drops a block's hash (it is being reused); keeps any duplicate under the key."""
-        key = block.block_hash
+        self.cached_block_hash_to_block.pop(block.block_hash, block.block_id)
         block.block_hash = None
-        cache = self.cached_block_hash_to_block
-        entry = cache.get(key)
-        if entry is block:
-            del cache[key]
-        elif entry is not None and type(entry) is not KVCacheBlock:
-            entry.pop(block.block_id, None)
-            if len(entry) == 1:
-                cache[key] = next(iter(entry.values()))
-            elif not entry:
-                del cache[key]
 
     # -- allocation ---------------------------------------------------------
 
@@ -202,7 +270,7 @@ class BlockPool:
         """
         if self.num_blocks - self.free_block_queue.num_free_blocks != 1:
             return False
-        self.cached_block_hash_to_block = {}
+        self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
         return True
@@ -241,15 +309,9 @@ class BlockPool:
             )
         if any(b.ref_cnt < 0 for b in self.blocks):
             raise AssertionError("a block has a negative ref_cnt")
-        in_map = {}
-        for key, entry in self.cached_block_hash_to_block.items():
-            group = [entry] if type(entry) is KVCacheBlock else list(entry.values())
-            if not group:
-                raise AssertionError("an empty duplicate set was left in the hash map")
-            for block in group:
-                if block.block_hash != key:
-                    raise AssertionError(f"block {block.block_id} is mapped under a stale hash")
-                in_map[block.block_id] = key
+        cache = self.cached_block_hash_to_block
+        cache.check_invariants()
+        in_map = {block.block_id: key for key, block in cache.items()}
         hashed = {b.block_id: b.block_hash for b in self.blocks if b.block_hash is not None}
         if hashed != in_map:
             raise AssertionError("hashed blocks and the hash map disagree")

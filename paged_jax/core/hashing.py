@@ -9,18 +9,15 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NewType
+from typing import NewType, Protocol
 
-if TYPE_CHECKING:
-    from paged_jax.core.request import Request
+from paged_jax.constants import HASH_ALGOS  # re-exported: paged_jax.core.hashing.HASH_ALGOS
 
 BlockHash = NewType("BlockHash", bytes)
 """Digest of one full block, chained over every earlier block of the request."""
 
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 """A BlockHash followed by the 4-byte big-endian KV-cache group id: the pool's map key."""
-
-HASH_ALGOS = ("sha256", "xxhash")
 
 # Fixed, process-independent seed: two processes (or two runs) with the same tokens
 # produce the same hashes, whatever PYTHONHASHSEED says. See docs/host_block_stack.md.
@@ -120,7 +117,9 @@ def hash_block_tokens(
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """Packs a block hash and a KV-cache group id into one bytes key (no tuple)."""
-    return BlockHashWithGroupId(block_hash + group_id.to_bytes(4, "big"))
+    # Not wrapped in BlockHashWithGroupId(...): NewType's call is an identity that
+    # would cost a third of this function, which runs for every block a hit search tries.
+    return block_hash + group_id.to_bytes(4, "big")
 
 
 def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
@@ -131,6 +130,15 @@ def get_block_hash(key: BlockHashWithGroupId) -> BlockHash:
 def get_group_id(key: BlockHashWithGroupId) -> int:
     """The KV-cache group id part of a BlockHashWithGroupId."""
     return int.from_bytes(key[-4:], "big")
+
+
+class HashedTokens(Protocol):
+    """What a BlockHasher reads of a request (paged_jax.core.request.Request has it)."""
+
+    block_hashes: list[BlockHash]
+    all_token_ids: list[int]
+    adapter_id: int | str | None
+    cache_salt: str | None
 
 
 class BlockHasher:
@@ -155,7 +163,7 @@ class BlockHasher:
         self._fn = get_hash_fn(hash_algo)
         self._none_hash = none_hash(hash_algo)
 
-    def __call__(self, request: Request) -> list[BlockHash]:
+    def __call__(self, request: HashedTokens) -> list[BlockHash]:
         bs = self.block_size
         hashes = request.block_hashes
         token_ids = request.all_token_ids

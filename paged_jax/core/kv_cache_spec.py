@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from paged_jax.constants import cdiv
+
 
 @dataclasses.dataclass(frozen=True)
 class KVCacheGroupSpec:
@@ -42,7 +44,7 @@ class KVCacheGroupSpec:
         Full attention: every block. Sliding window: only blocks touching the last W
         positions, at most cdiv(W - 1, block_size) + 1.
         """
-        num_blocks = -(-num_tokens // block_size)
+        num_blocks = cdiv(num_tokens, block_size)
         if self.sliding_window is None or num_tokens == 0:
             return num_blocks
         first_needed = max(0, num_tokens - self.sliding_window) // block_size

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from paged_jax.constants import cdiv
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
-from paged_jax.core.hashing import BlockHash
+from paged_jax.core.hashing import BlockHash, make_block_hash_with_group_id
 from paged_jax.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 
@@ -36,6 +37,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         sliding_window: W in tokens (>= 1).
         enable_caching: hash newly full blocks into the pool's cache.
     """
+
+    holds_null_prefix = True
 
     def __init__(
         self,
@@ -115,15 +118,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         assert sliding_window is not None, "the sliding-window hit search needs the window"
         max_blocks = min(max_length // block_size, len(block_hashes))
         null = block_pool.null_block
-        num_needed = -(-(sliding_window - 1) // block_size)
+        num_needed = cdiv(sliding_window - 1, block_size)
         hits = [null] * max_blocks
         if num_needed == 0:  # W == 1: a token sees only itself, no cached KV is read
             return hits
-        suffix = kv_cache_group_id.to_bytes(4, "big")
-        lookup = block_pool.lookup
+        lookup = block_pool.cached_block_hash_to_block.get_one_block
         run = 0
         for i in range(max_blocks - 1, -1, -1):
-            block = lookup(block_hashes[i] + suffix)
+            block = lookup(make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id))
             if block is None:
                 run = 0
                 continue

@@ -24,6 +24,7 @@ import numpy as np
 
 from paged_jax.beam_search import BeamSearch, BeamSearchParams
 from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
@@ -84,7 +85,7 @@ class _Run:
 
     def __init__(self, num_tokens: int, settings: ForkStudySettings) -> None:
         bs = settings.block_size
-        num_blocks = -(-num_tokens // bs) + 2
+        num_blocks = cdiv(num_tokens, bs) + 2
         config = EngineConfig(
             block_size=bs,
             num_kv_blocks=num_blocks,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from paged_jax.constants import cdiv
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups_for_layers
 from paged_jax.core.request import Request
@@ -65,7 +66,7 @@ def blocks_held_curve(
         decode step, the context length (tokens with KV) and the real blocks the request
         holds over all groups; and the most blocks held during the prefill.
     """
-    num_blocks = len(variant.groups) * -(-max_len // block_size) + 2
+    num_blocks = len(variant.groups) * cdiv(max_len, block_size) + 2
     kv = KVCacheManager(
         num_blocks,
         block_size,
@@ -167,9 +168,9 @@ def _window_bound(variant: Variant, block_size: int, max_len: int) -> int:
     total = 0
     for g in variant.groups:
         if g.sliding_window is None:
-            total += -(-max_len // block_size)
+            total += cdiv(max_len, block_size)
         else:
-            total += -(-g.sliding_window // block_size) + 1
+            total += cdiv(g.sliding_window, block_size) + 1
     return total
 
 

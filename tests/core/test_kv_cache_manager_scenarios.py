@@ -1,10 +1,9 @@
 """Exact-id scenarios for KVCacheManager on an 11-block pool (ids 0..10, block 0 null).
 
-Every expected id list below is worked out by hand from the rules in DESIGN.md
-("Host-side semantics"): fresh pools hand out ids in order from the free queue
-head; a freed request's blocks go back last block first, unhashed ones to the
-head and hashed ones to the tail; a prefix hit is capped at num_tokens - 1 and
-rounded down to whole blocks.
+Every expected id list below is worked out by hand from these rules: fresh pools
+hand out ids in order from the free queue head; a freed request's blocks go back
+last block first, unhashed ones to the head and hashed ones to the tail; a prefix
+hit is capped at num_tokens - 1 and rounded down to whole blocks.
 """
 
 from __future__ import annotations
@@ -247,7 +246,7 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use():
     m.free(a)
     assert m.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in m.block_pool.blocks)
-    assert m.block_pool.cached_block_hash_to_block == {}
+    assert len(m.block_pool.cached_block_hash_to_block) == 0
     assert m.prefix_cache_stats.reset is True
     assert m.get_computed_blocks(Request("b", tokens(100, 9)))[1] == 0
     m.check_invariants()
