@@ -1,10 +1,10 @@
-"""Forks and copy-on-write of shared blocks: the PagedAttention paper's sharing (§4.4).
+"""Copy-on-write of blocks shared by forks: the PagedAttention paper's sharing (§4.4).
 
-A fork gives a child request its parent's blocks by reference count (full and
-partial). The first write into a block that another request still holds copies it:
-the writer gets a fresh block in the same table slot and the host schedules a
-device copy (src, dst) that runs before the step's KV writes. Pure Python; never
-imports jax.
+A fork (``KVCacheManager.fork``) gives a child request its parent's blocks by
+reference count (full and partial). The first write into a block that another
+request still holds copies it: the writer gets a fresh block in the same table slot
+and the host schedules a device copy (src, dst) that runs before the step's KV
+writes. Pure Python; never imports jax.
 
     parent table  [b1 b2 b3*]        * = partial, shared after the fork
     child table   [b1 b2 b3*]        ref_cnt(b3) = 2
@@ -18,14 +18,9 @@ so the device can run all of a step's copies in any order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
-
-if TYPE_CHECKING:
-    from paged_jax.core.request import Request
-    from paged_jax.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
 
 class BlockCopies(NamedTuple):
@@ -60,6 +55,10 @@ class PendingCopies:
     def __len__(self) -> int:
         return len(self._by_dst)
 
+    def num_holds(self, block_id: int) -> int:
+        """This round's holds on a block (0 for most blocks)."""
+        return self.holds.get(block_id, 0)
+
     def num_holders(self, block: KVCacheBlock) -> int:
         """Requests holding the block: its ref_cnt minus this round's holds."""
         return block.ref_cnt - self.holds.get(block.block_id, 0)
@@ -69,19 +68,18 @@ class PendingCopies:
         return not block.is_null and self.num_holders(block) > 1
 
     def copy_on_write(
-        self, request_id: str, manager: SingleTypeKVCacheManager, index: int
+        self, request_id: str, kv_cache_group_id: int, index: int, old: KVCacheBlock
     ) -> KVCacheBlock:
-        """Replaces the request's (shared) block at ``index`` with a fresh one; schedules the copy.
+        """Takes a fresh block for the shared block ``old`` at a table slot; schedules the copy.
 
-        The caller has checked that the pool has a free block. The writer's
-        reference to the old block becomes a hold, so its ref_cnt is unchanged until
-        ``take``; the fresh block gets a hold too.
+        The caller has checked that the pool has a free block, and puts the fresh
+        block into the slot (group kv_cache_group_id, position index of the request's
+        table). The writer's reference to the old block becomes a hold, so its
+        ref_cnt is unchanged until ``take``; the fresh block gets a hold too.
 
         Returns:
-            The fresh block now at that table slot.
+            The fresh block (ref_cnt 2: the writer's table and the hold).
         """
-        blocks = manager.req_to_blocks[request_id]
-        old = blocks[index]
         assert self.is_shared(old), (
             f"block {old.block_id} is copied on write but no other request holds it"
         )
@@ -94,12 +92,7 @@ class PendingCopies:
         self.holds[old.block_id] = self.holds.get(old.block_id, 0) + 1
         self._hold(new)
         self._by_dst[new.block_id] = (old, new)
-        blocks[index] = new
-        if manager.num_cached_block[request_id] > index:
-            manager.num_cached_block[request_id] = index  # the fresh copy is not hashed yet
-        self._updates.setdefault(request_id, []).append(
-            (manager.kv_cache_group_id, index, new.block_id)
-        )
+        self._updates.setdefault(request_id, []).append((kv_cache_group_id, index, new.block_id))
         return new
 
     def _hold(self, block: KVCacheBlock) -> None:
@@ -129,77 +122,3 @@ class PendingCopies:
         self._updates = {}
         self.block_pool.free_blocks(held)
         return BlockCopies(pairs, updates)
-
-
-def fork_blocks(
-    managers: Sequence[SingleTypeKVCacheManager],
-    block_pool: BlockPool,
-    parent: Request,
-    child: Request,
-    num_tokens: int | None,
-    pending_copies: PendingCopies,
-) -> int:
-    """KVCacheManager.fork: the child's tables become prefixes of the parent's, shared.
-
-    Returns:
-        The child's computed tokens (num_tokens, or fewer when the parent's block
-        holding token num_tokens is already hashed and so cannot be shared).
-    """
-    if num_tokens is None:
-        num_tokens = parent.num_computed_tokens
-    if pending_copies:
-        raise ValueError(
-            f"fork of {parent.request_id!r} must wait until this step's "
-            f"{len(pending_copies)} pending copies are taken (fork between steps)"
-        )
-    if not 0 < num_tokens <= parent.num_computed_tokens:
-        raise ValueError(
-            f"num_tokens={num_tokens!r} must be in [1, parent.num_computed_tokens="
-            f"{parent.num_computed_tokens}]"
-        )
-    if any(m.req_to_blocks.get(child.request_id) for m in managers):
-        raise ValueError(f"child={child.request_id!r} must hold no blocks to be forked into")
-    if (child.cache_salt, child.adapter_id) != (parent.cache_salt, parent.adapter_id):
-        raise ValueError(
-            f"child (cache_salt, adapter_id)={(child.cache_salt, child.adapter_id)!r} must "
-            f"equal the parent's {(parent.cache_salt, parent.adapter_id)!r}: shared blocks "
-            "carry the parent's hashes"
-        )
-    if child.all_token_ids[:num_tokens] != parent.all_token_ids[:num_tokens]:
-        raise ValueError(
-            f"child={child.request_id!r} must start with the parent's first {num_tokens} token ids"
-        )
-    num_shared = num_tokens
-    for manager in managers:
-        bs = manager.block_size
-        blocks = manager.req_to_blocks.get(parent.request_id, [])
-        num_blocks = -(-num_tokens // bs)
-        assert len(blocks) >= num_blocks, (
-            f"request {parent.request_id!r} has computed tokens without blocks"
-        )
-        if num_tokens % bs and blocks[num_blocks - 1].block_hash is not None:
-            # Full (and cached) in the parent but only partly the child's: not shared.
-            num_shared = min(num_shared, (num_blocks - 1) * bs)
-    for manager in managers:
-        num_blocks = -(-num_shared // manager.block_size)
-        if num_blocks:
-            shared = manager.req_to_blocks[parent.request_id][:num_blocks]
-            block_pool.touch(shared)
-            manager.req_to_blocks[child.request_id] = shared
-        manager.num_cached_block[child.request_id] = min(
-            manager.num_cached_block.get(parent.request_id, 0), num_blocks
-        )
-    return num_shared
-
-
-def written_shared_blocks(
-    blocks: Sequence[KVCacheBlock],
-    first_token: int,
-    end_token: int,
-    block_size: int,
-    pending: PendingCopies,
-) -> list[int]:
-    """Indices of held blocks that tokens [first_token, end_token) write into while shared."""
-    first = first_token // block_size
-    last = min(len(blocks), -(-end_token // block_size))
-    return [i for i in range(first, last) if pending.is_shared(blocks[i])]

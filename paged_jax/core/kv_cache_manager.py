@@ -1,26 +1,24 @@
-"""KVCacheManager: the scheduler's interface to blocks, prefix hits and frees.
+"""KVCacheManager: the scheduler's interface to blocks, prefix hits, forks and frees.
 
-Pure Python; never imports jax.
+Also its return type KVCacheBlocks and its PrefixCacheStats counters. Pure Python;
+never imports jax.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+from collections.abc import Sequence
+
+from paged_jax.constants import HASH_ALGOS, cdiv
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
-from paged_jax.core.copy_on_write import (
-    BlockCopies,
-    PendingCopies,
-    fork_blocks,
-    written_shared_blocks,
-)
-from paged_jax.core.decode_fast_path import allocate_decode_slots
-from paged_jax.core.hashing import HASH_ALGOS, BlockHasher
-from paged_jax.core.kv_cache_blocks import KVCacheBlocks, PrefixCacheStats
+from paged_jax.core.copy_on_write import BlockCopies, PendingCopies
+from paged_jax.core.hashing import BlockHasher
 from paged_jax.core.kv_cache_coordinator import (
     HybridKVCacheCoordinator,
     KVCacheCoordinator,
     UnitaryKVCacheCoordinator,
 )
-from paged_jax.core.kv_cache_invariants import check_kv_cache_manager
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.request import Request
 from paged_jax.core.single_type_kv_cache_manager import (
@@ -40,6 +38,96 @@ def _positive_int(name: str, value: object) -> int:
 
 def _request_id(request: Request | str) -> str:
     return request if isinstance(request, str) else request.request_id
+
+
+class KVCacheBlocks:
+    """Blocks per KV-cache group: ``blocks[group][i]``.
+
+    Returned by KVCacheManager.get_computed_blocks (the hit), allocate_slots (the
+    newly allocated blocks only) and get_blocks (a snapshot of a request's table).
+
+    Args:
+        blocks: one sequence of blocks per KV-cache group.
+    """
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, KVCacheBlocks):
+            return NotImplemented
+        return tuple(map(list, self.blocks)) == tuple(map(list, other.blocks))
+
+    __hash__ = None  # mutable contents
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks(block_ids={self.get_block_ids()})"
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block ids per group, e.g. ``([1, 2, 3],)`` for one group."""
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        """Ids of the not-yet-cached blocks of the single group."""
+        assert len(self.blocks) == 1, "get_unhashed_block_ids is defined for one group only"
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    def num_blocks(self) -> int:
+        """Total blocks over all groups."""
+        return sum(len(group) for group in self.blocks)
+
+    def new_empty(self) -> KVCacheBlocks:
+        """An empty KVCacheBlocks with the same number of groups."""
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters since the last make_prefix_cache_stats() call.
+
+    Attributes:
+        requests: get_computed_blocks lookups.
+        queries: tokens looked up (request.num_tokens per lookup).
+        hits: tokens served from the cache.
+        preempted_requests / preempted_queries / preempted_hits: the same, for
+            lookups by requests that were preempted before (resumes).
+        reset: True if reset_prefix_cache succeeded in this period.
+    """
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    reset: bool = False
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        """Adds one lookup of num_tokens tokens that hit num_hits of them."""
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / queried tokens over first-time lookups (0.0 with no queries)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def total_hit_rate(self) -> float:
+        """Hit tokens / queried tokens including resumes after preemption."""
+        queries = self.queries + self.preempted_queries
+        return (self.hits + self.preempted_hits) / queries if queries else 0.0
 
 
 class KVCacheManager:
@@ -64,6 +152,9 @@ class KVCacheManager:
         max_model_len: longest sequence (prompt + outputs) a request may reach.
         kv_cache_groups: one KVCacheGroupSpec per group, indexed by group id; default
             one full-attention group.
+        decode_fast_path: serve the decode special case (see allocate_slots) without
+            the general path where it applies (one full-attention group). False
+            always takes the general path; the two decide the same.
 
     Raises:
         ValueError: on a non-positive size, an unknown hash_algo or no groups.
@@ -78,6 +169,7 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         max_model_len: int,
         kv_cache_groups: tuple[KVCacheGroupSpec, ...] | list[KVCacheGroupSpec] = (FULL_ATTENTION,),
+        decode_fast_path: bool = True,
     ) -> None:
         if hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo={hash_algo!r} must be one of {HASH_ALGOS}")
@@ -108,9 +200,12 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(self._empty_groups)
         self._stats = PrefixCacheStats()
         self.pending_copies = PendingCopies(self.block_pool)
-        # allocate_slots' fast path (one full-attention group): a step whose tokens fit
-        # the request's last held block, unshared, completing no block to cache.
-        self._fast_manager = managers[0] if len(managers) == 1 and not self._has_window else None
+        # The one full-attention group whose decode steps skip the general path.
+        self._decode_manager: SingleTypeKVCacheManager | None = (
+            managers[0]
+            if decode_fast_path and len(managers) == 1 and not self._has_window
+            else None
+        )
 
     def _make_manager(self, group: KVCacheGroupSpec, group_id: int) -> SingleTypeKVCacheManager:
         if group.sliding_window is None:
@@ -182,6 +277,10 @@ class KVCacheManager:
             hashed+cached: full blocks within computed + new_computed + new,
                            capped at request.num_tokens (drafts are never hashed)
 
+        The decode special case (one full-attention group, new tokens within one
+        block: the last held one, unshared, or the next one) skips the general
+        bookkeeping; it decides exactly what the general path would.
+
         Sliding-window groups first free the blocks wholly below
         computed + new_computed - W + 1 (replaced by the null block; done even if the
         allocation then fails, as in vLLM), then count what is still missing. The
@@ -204,15 +303,14 @@ class KVCacheManager:
                 match its blocks or is given to a request already holding blocks,
                 or computed + new tokens beyond max_model_len.
         """
-        fast = self._fast_manager
         if (
-            fast is not None
+            self._decode_manager is not None
             and new_computed_blocks is None
             and num_new_tokens > 0
             and not num_new_computed_tokens
             and not num_lookahead_tokens
         ):
-            new_blocks = allocate_decode_slots(self, fast, request, num_new_tokens)
+            new_blocks = self._allocate_decode_slots(request, num_new_tokens)
             if new_blocks is not None:
                 return new_blocks
         if num_new_tokens < 0 or num_new_computed_tokens < 0 or num_lookahead_tokens < 0:
@@ -262,7 +360,7 @@ class KVCacheManager:
             # Touch the hits before allocating so the allocation cannot evict them.
             coordinator.save_new_computed_blocks(request_id, hit_groups)
         for manager, index in cow:
-            self.pending_copies.copy_on_write(request_id, manager, index)
+            self._copy_on_write(request_id, manager, index)
         new_groups = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
         if self.enable_caching:
             if request.block_hasher is None:
@@ -275,21 +373,81 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks
         return KVCacheBlocks(new_groups)
 
-    def _shared_writes(self, request: Request, end_token: int) -> list:
+    # -- the decode special case ----------------------------------------------
+    # One full-attention group; the new tokens stay within one block and within
+    # max_model_len. Either that block is the last one held and no fork shares it
+    # (nothing to allocate or copy), or it is the next block and the free queue has
+    # one. Both then cache what the general path caches. tests/core/
+    # test_host_fast_paths.py runs workloads both ways and compares every table,
+    # hash, ref count and the free-queue order.
+
+    def _fits_in_last_block(self, blocks: list[KVCacheBlock], start: int, end: int) -> bool:
+        """Tokens [start, end) all land in the last held block, which no other table holds."""
+        index = start // self.block_size
+        return (
+            index == len(blocks) - 1
+            and (end - 1) // self.block_size == index
+            and blocks[index].ref_cnt == 1
+        )
+
+    def _needs_one_new_block(self, blocks: list[KVCacheBlock], start: int, end: int) -> bool:
+        """Tokens [start, end) all land in the block after the last held one, and one is free."""
+        index = start // self.block_size
+        return (
+            index == len(blocks)
+            and (end - 1) // self.block_size == index
+            and self.block_pool.free_block_queue.num_free_blocks > 0
+        )
+
+    def _allocate_decode_slots(self, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+        """allocate_slots for the decode special case; None when the case does not apply."""
+        manager = self._decode_manager
+        request_id = request.request_id
+        blocks = manager.req_to_blocks.get(request_id)
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        if not blocks or end > self.max_model_len:
+            return None
+        if self.enable_caching and request.block_hasher is None:
+            return None  # the general path attaches the hasher first
+        if self._fits_in_last_block(blocks, start, end):
+            new_blocks = self.empty_kv_cache_blocks
+        elif self._needs_one_new_block(blocks, start, end):
+            # Allocate before caching, as the general path does (a reused block leaves
+            # the hash map first).
+            new_blocks = KVCacheBlocks((manager.allocate_new_blocks(request_id, end),))
+        else:
+            return None
+        # Only a block hashed since the table's last caching can be cached now.
+        if self.enable_caching and len(request.block_hashes) > manager.num_cached_block[request_id]:
+            num_tokens = len(request.all_token_ids)
+            manager.cache_blocks(request, end if end < num_tokens else num_tokens)
+        return new_blocks
+
+    # -- copy on write ----------------------------------------------------------
+
+    def _shared_writes(
+        self, request: Request, end_token: int
+    ) -> list[tuple[SingleTypeKVCacheManager, int]]:
         """(manager, block index) of every shared block the request's next tokens write into."""
         out = []
         for manager in self.coordinator.managers:
-            blocks = manager.req_to_blocks.get(request.request_id)
-            if blocks:
-                indices = written_shared_blocks(
-                    blocks,
-                    request.num_computed_tokens,
-                    end_token,
-                    manager.block_size,
-                    self.pending_copies,
-                )
-                out.extend((manager, i) for i in indices)
+            indices = manager.written_shared_blocks(
+                request.request_id,
+                request.num_computed_tokens,
+                end_token,
+                self.pending_copies.is_shared,
+            )
+            out.extend((manager, i) for i in indices)
         return out
+
+    def _copy_on_write(
+        self, request_id: str, manager: SingleTypeKVCacheManager, index: int
+    ) -> None:
+        """Gives the request a fresh block at a shared table slot; the copy runs next step."""
+        old = manager.get_blocks(request_id)[index]
+        new = self.pending_copies.copy_on_write(request_id, manager.kv_cache_group_id, index, old)
+        manager.replace_block(request_id, index, new)
 
     def _check_hit(self, request: Request, new_computed_blocks: KVCacheBlocks) -> None:
         if not self.enable_caching:
@@ -342,16 +500,39 @@ class KVCacheManager:
             ValueError: the child holds blocks, num_tokens is out of range, the two
                 requests' tokens differ within num_tokens, or copies are pending.
         """
+        parent, child = parent_request, child_request
         if self.enable_caching:
-            self._ensure_hasher(child_request)
-        return fork_blocks(
-            self.coordinator.managers,
-            self.block_pool,
-            parent_request,
-            child_request,
-            num_tokens,
-            self.pending_copies,
-        )
+            self._ensure_hasher(child)
+        if num_tokens is None:
+            num_tokens = parent.num_computed_tokens
+        if self.pending_copies:
+            raise ValueError(
+                f"fork of {parent.request_id!r} must wait until this step's "
+                f"{len(self.pending_copies)} pending copies are taken (fork between steps)"
+            )
+        if not 0 < num_tokens <= parent.num_computed_tokens:
+            raise ValueError(
+                f"num_tokens={num_tokens!r} must be in [1, parent.num_computed_tokens="
+                f"{parent.num_computed_tokens}]"
+            )
+        managers = self.coordinator.managers
+        if any(m.get_blocks(child.request_id) for m in managers):
+            raise ValueError(f"child={child.request_id!r} must hold no blocks to be forked into")
+        if (child.cache_salt, child.adapter_id) != (parent.cache_salt, parent.adapter_id):
+            raise ValueError(
+                f"child (cache_salt, adapter_id)={(child.cache_salt, child.adapter_id)!r} must "
+                f"equal the parent's {(parent.cache_salt, parent.adapter_id)!r}: shared blocks "
+                "carry the parent's hashes"
+            )
+        if child.all_token_ids[:num_tokens] != parent.all_token_ids[:num_tokens]:
+            raise ValueError(
+                f"child={child.request_id!r} must start with the parent's first {num_tokens} "
+                "token ids"
+            )
+        num_shared = min(m.num_shareable_tokens(parent.request_id, num_tokens) for m in managers)
+        for manager in managers:
+            manager.fork(parent.request_id, child.request_id, num_shared)
+        return num_shared
 
     def take_pending_copies(self) -> BlockCopies:
         """The copy-on-write block copies scheduled since the last call.
@@ -403,13 +584,13 @@ class KVCacheManager:
         (vLLM's SlidingWindowSpec bound).
         """
         bs = self.block_size
-        num_blocks = -(-num_tokens // bs)
+        num_blocks = cdiv(num_tokens, bs)
         total = 0
         for group in self.kv_cache_groups:
             if group.sliding_window is None:
                 total += num_blocks
             else:
-                bound = -(-(group.sliding_window - 1 + max_chunk_tokens) // bs) + 1
+                bound = cdiv(group.sliding_window - 1 + max_chunk_tokens, bs) + 1
                 total += min(num_blocks, bound)
         return total
 
@@ -483,6 +664,19 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Checks pool and table consistency; raises AssertionError on a bug.
 
-        See paged_jax.core.kv_cache_invariants.check_kv_cache_manager for the rules.
+        Beyond BlockPool.check_invariants and each group's check_tables (no table
+        holds a block twice, nulls only as a window's leading run, exactly the first
+        num_cached real blocks hashed): every block's ref_cnt equals the number of
+        request tables holding it, over all groups, plus its holds by pending copies.
         """
-        check_kv_cache_manager(self)
+        self.block_pool.check_invariants()
+        holders: collections.Counter[int] = collections.Counter()
+        for manager in self.coordinator.managers:
+            holders.update(manager.check_tables())
+        for block in self.block_pool.blocks[1:]:
+            held = self.pending_copies.num_holds(block.block_id)
+            if block.ref_cnt != holders[block.block_id] + held:
+                raise AssertionError(
+                    f"block {block.block_id} ref_cnt={block.ref_cnt} but "
+                    f"{holders[block.block_id]} requests and {held} pending copies hold it"
+                )

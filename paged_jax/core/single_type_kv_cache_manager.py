@@ -7,10 +7,12 @@ out-of-window blocks. Pure Python; never imports jax.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import collections
+from collections.abc import Callable, Sequence
 
+from paged_jax.constants import cdiv
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
-from paged_jax.core.hashing import BlockHash
+from paged_jax.core.hashing import BlockHash, make_block_hash_with_group_id
 from paged_jax.core.request import Request
 
 
@@ -23,6 +25,9 @@ class SingleTypeKVCacheManager:
         kv_cache_group_id: index of this group (part of the cache key).
         enable_caching: hash newly full blocks into the pool's cache.
     """
+
+    # Whether a table may start with a run of null blocks (freed out-of-window blocks).
+    holds_null_prefix = False
 
     def __init__(
         self,
@@ -64,7 +69,7 @@ class SingleTypeKVCacheManager:
         touching them removes them from the free queue.
         """
         held = self.req_to_blocks.get(request_id)
-        num_new = -(-num_tokens // self.block_size) - (len(held) if held else 0)
+        num_new = cdiv(num_tokens, self.block_size) - (len(held) if held else 0)
         if not new_computed_blocks:  # the decode fast path
             return num_new if num_new > 0 else 0
         # A hit's leading null blocks (out-of-window positions) need no fresh block either.
@@ -92,7 +97,7 @@ class SingleTypeKVCacheManager:
         if blocks is None:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_block[request_id] = 0
-        num_new = -(-num_tokens // self.block_size) - len(blocks)
+        num_new = cdiv(num_tokens, self.block_size) - len(blocks)
         if num_new <= 0:
             return []
         new_blocks = self.block_pool.get_new_blocks(num_new)
@@ -125,6 +130,104 @@ class SingleTypeKVCacheManager:
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """The request's live block list (do not mutate); empty if it holds none."""
         return self.req_to_blocks.get(request_id, [])
+
+    # -- forks and copy on write ----------------------------------------------
+
+    def num_shareable_tokens(self, request_id: str, num_tokens: int) -> int:
+        """How many of the request's first num_tokens tokens a fork can share here.
+
+        All of them, except when token num_tokens - 1 sits in a block the request has
+        already hashed (full in the request, only partly the child's): that block
+        cannot be shared, so the share ends at the block boundary before it.
+        """
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_blocks = cdiv(num_tokens, self.block_size)
+        assert len(blocks) >= num_blocks, (
+            f"request {request_id!r} has computed tokens without blocks"
+        )
+        if num_tokens % self.block_size and blocks[num_blocks - 1].block_hash is not None:
+            return (num_blocks - 1) * self.block_size
+        return num_tokens
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Starts the child's table as the parent's blocks for its first num_tokens tokens.
+
+        Each shared block gains a reference; the child's cached count is the parent's,
+        capped at the shared blocks. The caller checked num_shareable_tokens.
+        """
+        num_blocks = cdiv(num_tokens, self.block_size)
+        if num_blocks:
+            shared = self.req_to_blocks[parent_id][:num_blocks]
+            self.block_pool.touch(shared)
+            self.req_to_blocks[child_id] = shared
+        self.num_cached_block[child_id] = min(self.num_cached_block.get(parent_id, 0), num_blocks)
+
+    def written_shared_blocks(
+        self,
+        request_id: str,
+        first_token: int,
+        end_token: int,
+        is_shared: Callable[[KVCacheBlock], bool],
+    ) -> list[int]:
+        """Table indices of held blocks that tokens [first_token, end_token) write while shared."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return []
+        first = first_token // self.block_size
+        last = min(len(blocks), cdiv(end_token, self.block_size))
+        return [i for i in range(first, last) if is_shared(blocks[i])]
+
+    def replace_block(self, request_id: str, index: int, block: KVCacheBlock) -> KVCacheBlock:
+        """Puts block in the request's table slot index (a copy on write); returns the old one.
+
+        The table's reference to the old block is the caller's to release. The new
+        block is not hashed yet, so the cached count drops to index if it was beyond.
+        """
+        blocks = self.req_to_blocks[request_id]
+        old = blocks[index]
+        blocks[index] = block
+        if self.num_cached_block[request_id] > index:
+            self.num_cached_block[request_id] = index
+        return old
+
+    # -- checks ---------------------------------------------------------------
+
+    def check_tables(self) -> collections.Counter[int]:
+        """Checks every table of this group; raises AssertionError on a bug.
+
+        Checked: no table holds a block twice or caches more blocks than it holds;
+        the null block appears only as a leading run, and only where
+        holds_null_prefix; exactly the first num_cached real blocks are hashed.
+
+        Returns:
+            block id -> number of tables holding it (real blocks only).
+        """
+        holders: collections.Counter[int] = collections.Counter()
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            if len(set(ids)) != len(ids):
+                raise AssertionError(f"request {request_id!r} holds a block twice: {ids}")
+            num_cached = self.num_cached_block[request_id]
+            if num_cached > len(blocks):
+                raise AssertionError(f"request {request_id!r} caches more blocks than held")
+            num_null = 0
+            while num_null < len(blocks) and blocks[num_null].is_null:
+                num_null += 1
+            for i, block in enumerate(blocks):
+                if block.is_null:
+                    if not self.holds_null_prefix or i >= num_null:
+                        raise AssertionError(
+                            f"request {request_id!r} holds the null block at {i} in group "
+                            f"{self.kv_cache_group_id} (only a window's leading run may)"
+                        )
+                    continue
+                if (block.block_hash is not None) != (i < num_cached):
+                    raise AssertionError(
+                        f"request {request_id!r} block {i} (id {block.block_id}) hashed "
+                        f"state disagrees with num_cached_block={num_cached}"
+                    )
+            holders.update(ids)
+        return holders
 
     def get_num_common_prefix_blocks(self, request_id: str, num_running_requests: int) -> int:
         """Leading blocks shared by every running request (0 if unsupported)."""
@@ -168,11 +271,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     ) -> list[KVCacheBlock]:
         # Chained hashes: the first miss ends the hit, every later block misses too.
         max_blocks = min(max_length // block_size, len(block_hashes))
-        suffix = kv_cache_group_id.to_bytes(4, "big")
-        lookup = block_pool.lookup
+        lookup = block_pool.cached_block_hash_to_block.get_one_block
         hits = []
         for i in range(max_blocks):
-            block = lookup(block_hashes[i] + suffix)
+            block = lookup(make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id))
             if block is None:
                 break
             hits.append(block)

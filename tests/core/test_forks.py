@@ -1,6 +1,6 @@
 """Forks and copy-on-write in KVCacheManager and Scheduler: exact ids on an 11-block pool.
 
-Expected ids follow DESIGN.md's free-queue rules: a fresh pool hands out ids in
+Expected ids follow the free-queue rules: a fresh pool hands out ids in
 order; a copy-on-write destination is the next free-queue head; freed unhashed
 blocks return to the head (last block first), hashed ones to the tail.
 """

@@ -31,9 +31,8 @@ def make_scheduler(fast: bool, *, block_size: int, num_blocks: int, async_schedu
         max_model_len=64,
         async_scheduling=async_scheduling,
     )
-    kv = KVCacheManager(num_blocks, block_size, max_model_len=64)
-    if not fast:
-        kv._fast_manager = None  # every call takes the general path
+    # decode_fast_path=False: every call takes the general path.
+    kv = KVCacheManager(num_blocks, block_size, max_model_len=64, decode_fast_path=fast)
     return Scheduler(config, kv)
 
 

@@ -1,4 +1,4 @@
-"""The host side must never import jax (DESIGN.md: testable without a device).
+"""The host side must never import jax, so it is testable without a device.
 
 The rule is on the folder: every module under paged_jax/core/ is found by walking the
 package, so a new host module is covered the moment it is added. A few jax-free modules
