@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 
-PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULING_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "pallas", "pallas_interpret", "reference")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-# "auto" = the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-HASH_ALGOS = ("sha256", "xxhash")
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 8
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for `a` tokens of `b` per block."""
-    return -(-a // b)
+# Re-exported: callers import these from paged_jax.config; their home is paged_jax.constants.
+from paged_jax.constants import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    HASH_ALGOS,
+    KV_CACHE_DTYPES,
+    MIN_SEQ_BUCKET,
+    MIN_TOKEN_BUCKET,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
+    AttentionBackend,
+    Dtype,
+    HashAlgo,
+    KVCacheDtype,
+    PreemptionMode,
+    SchedulingPolicy,
+    cdiv,
+    fail,
+    is_int,
+    is_number,
+)
 
 
 def _power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -78,58 +85,52 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    scheduling_policy: str = "fcfs"
-    attention_backend: str = "auto"
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
+    preemption_mode: PreemptionMode = "recompute"
+    scheduling_policy: SchedulingPolicy = "fcfs"
+    attention_backend: AttentionBackend = "auto"
+    dtype: Dtype = "auto"
+    kv_cache_dtype: KVCacheDtype = "auto"
     seed: int = 0
-    hash_algo: str = "sha256"
+    hash_algo: HashAlgo = "sha256"
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
     validate: bool = False
 
     def __post_init__(self) -> None:
-        def fail(name: str, expected: str) -> None:
-            raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} must be {expected}")
-
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if (
             not is_int(self.block_size)
             or self.block_size < 1
             or self.block_size & (self.block_size - 1)
         ):
-            fail("block_size", "a power of two >= 1")
+            fail(self, "block_size", "a power of two >= 1")
         if self.num_kv_blocks is not None and (
             not is_int(self.num_kv_blocks) or self.num_kv_blocks < 2
         ):
-            fail("num_kv_blocks", "None or an int >= 2 (block 0 is the null block)")
+            fail(self, "num_kv_blocks", "None or an int >= 2 (block 0 is the null block)")
         if self.kv_cache_memory is not None:
             m = self.kv_cache_memory
-            if isinstance(m, bool) or not isinstance(m, int | float):
-                fail("kv_cache_memory", "None, bytes (int > 0) or a fraction in (0, 1]")
+            if not is_number(m):
+                fail(self, "kv_cache_memory", "None, bytes (int > 0) or a fraction in (0, 1]")
             if isinstance(m, float) and not 0.0 < m <= 1.0:
-                fail("kv_cache_memory", "a fraction in (0, 1] when given as a float")
+                fail(self, "kv_cache_memory", "a fraction in (0, 1] when given as a float")
             if isinstance(m, int) and m <= 0:
-                fail("kv_cache_memory", "a positive number of bytes when given as an int")
+                fail(self, "kv_cache_memory", "a positive number of bytes when given as an int")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
-            fail("kv_cache_memory", "None when num_kv_blocks is given (set one of them)")
+            fail(self, "kv_cache_memory", "None when num_kv_blocks is given (set one of them)")
         if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
-            fail("max_num_seqs", "an int >= 1")
+            fail(self, "max_num_seqs", "an int >= 1")
         if (
             not is_int(self.max_num_batched_tokens)
             or self.max_num_batched_tokens < self.max_num_seqs
         ):
-            fail("max_num_batched_tokens", f"an int >= max_num_seqs={self.max_num_seqs}")
+            fail(self, "max_num_batched_tokens", f"an int >= max_num_seqs={self.max_num_seqs}")
         if self.max_model_len is not None and (
             not is_int(self.max_model_len) or self.max_model_len < 2
         ):
-            fail("max_model_len", "None or an int >= 2")
+            fail(self, "max_model_len", "None or an int >= 2")
         for name in ("enable_prefix_caching", "async_scheduling", "validate"):
             if not isinstance(getattr(self, name), bool):
-                fail(name, "a bool")
+                fail(self, name, "a bool")
         for name, allowed in (
             ("preemption_mode", PREEMPTION_MODES),
             ("scheduling_policy", SCHEDULING_POLICIES),
@@ -139,11 +140,11 @@ class EngineConfig:
             ("hash_algo", HASH_ALGOS),
         ):
             if getattr(self, name) not in allowed:
-                fail(name, f"one of {allowed}")
+                fail(self, name, f"one of {allowed}")
         if not is_int(self.seed) or not 0 <= self.seed < 2**32:
-            fail("seed", "an int in [0, 2**32)")
+            fail(self, "seed", "an int in [0, 2**32)")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            fail("tensor_parallel_size", "an int >= 1")
+            fail(self, "tensor_parallel_size", "an int >= 1")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -1,8 +1,9 @@
 """The project's named values and the small checks every config and request shares.
 
-One source for each: mode strings (as ``Literal`` types and their tuples), bucket
-floors, ceiling division, and the "int but not bool" and "field must be" checks that
-configs raise as ``ValueError(f"{Owner}.{field}={value!r} must be {expected}")``.
+One source for each: mode strings (as ``Literal`` types and their tuples; the attention
+backends come from the kernels package, which owns them), bucket floors, ceiling
+division, and the "int but not bool" and "field must be" checks that configs raise as
+``ValueError(f"{Owner}.{field}={value!r} must be {expected}")``.
 Pure Python; never imports jax.
 """
 
@@ -10,15 +11,20 @@ from __future__ import annotations
 
 from typing import Literal, NoReturn, get_args
 
+# The kernels package owns the backend and fp8 names; pallas_kernels.names is jax-free.
+from pallas_kernels.names import BACKEND_NAMES, Fp8KVCacheDtype
+from pallas_kernels.names import AttentionBackend as AttentionBackend  # re-exported
+
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "auto" = the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+KVCacheDtype = Literal["auto", "fp8", Fp8KVCacheDtype]
 HashAlgo = Literal["sha256", "xxhash"]
 
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+ATTENTION_BACKENDS: tuple[str, ...] = BACKEND_NAMES
 DTYPES: tuple[str, ...] = get_args(Dtype)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 KV_CACHE_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}

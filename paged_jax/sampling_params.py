@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from paged_jax.constants import fail, is_int, is_number
+
 # The device sampler keeps a fixed number of top logprobs per row so its shape is static.
 MAX_LOGPROBS = 20
 # Stop token ids masked while min_tokens is unmet: a fixed width keeps the step's shape static.
@@ -64,12 +66,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        def fail(name: str, expected: str) -> None:
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} must be {expected}")
-
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -83,48 +79,49 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
         if not is_int(self.n) or self.n < 1:
-            fail("n", "an int >= 1")
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < 1e6:
-            fail("temperature", "a number >= 0 (0 means greedy)")
-        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "in (0, 1]")
+            fail(self, "n", "an int >= 1")
+        if not is_number(self.temperature) or not 0.0 <= self.temperature < 1e6:
+            fail(self, "temperature", "a number >= 0 (0 means greedy)")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            fail(self, "top_p", "in (0, 1]")
         if not is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "an int >= 0 (0 or -1 disables it)")
-        if not isinstance(self.min_p, int | float) or not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", "in [0, 1]")
+            fail(self, "top_k", "an int >= 0 (0 or -1 disables it)")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            fail(self, "min_p", "in [0, 1]")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
-            fail("seed", "None or an int in [0, 2**32)")
+            fail(self, "seed", "None or an int in [0, 2**32)")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "an int >= 1")
+            fail(self, "max_tokens", "an int >= 1")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            fail("min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
+            fail(self, "min_tokens", f"an int in [0, max_tokens={self.max_tokens}]")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "a string or a list of non-empty strings")
+            fail(self, "stop", "a string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "a list of non-negative ints")
+            fail(self, "stop_token_ids", "a list of non-negative ints")
         if self.min_tokens > 0 and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS // 2:
             fail(
+                self,
                 "stop_token_ids",
                 f"at most {MAX_MIN_TOKENS_STOP_IDS // 2} ids when min_tokens > 0",
             )
         if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", "a bool")
+            fail(self, "ignore_eos", "a bool")
         if self.logprobs is not None and (
             not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
-            fail("logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+            fail(self, "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                fail(name, "a number in [-2, 2]")
+            if not is_number(value):
+                fail(self, name, "a number in [-2, 2]")
             if not -2.0 <= value <= 2.0:
-                fail(name, "in [-2, 2]")
+                fail(self, name, "in [-2, 2]")
         rp = self.repetition_penalty
-        if isinstance(rp, bool) or not isinstance(rp, int | float) or not 0.0 < rp < 1e6:
-            fail("repetition_penalty", "a number > 0 (1 disables it)")
+        if not is_number(rp) or not 0.0 < rp < 1e6:
+            fail(self, "repetition_penalty", "a number > 0 (1 disables it)")
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                fail(name, "a bool")
+                fail(self, name, "a bool")
 
     @property
     def has_penalties(self) -> bool:

@@ -33,8 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import SQUEEZED, masked_load, masked_store, triton_params
 from pallas_kernels.quantization import is_fp8
 
 NEG = -1e30  # finite "minus infinity": exp(NEG - NEG) = 1 stays finite, unlike inf - inf
@@ -120,8 +120,8 @@ def _kernel(
         )
         # Triton cannot cast an int fill to fp8; a float one it can (sm89+).
         other = 0.0 if fp8 else 0
-        k = masked_load(k_ref.at[idx], mask=kv_mask, other=other)  # f[block_k, head_dim]
-        v = masked_load(v_ref.at[idx], mask=kv_mask, other=other)
+        k = plgpu.load(k_ref.at[idx], mask=kv_mask, other=other)  # f[block_k, head_dim]
+        v = plgpu.load(v_ref.at[idx], mask=kv_mask, other=other)
         if fp8:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = jax.lax.dot_general(
@@ -168,13 +168,13 @@ def _kernel(
     rows = row0 + jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     row_ok = (rows >= q_start) & (rows < q_end)
     o_mask = jnp.broadcast_to(row_ok[:, None, None], (block_q, heads, o_ref.shape[2]))
-    masked_store(
+    plgpu.store(
         o_ref.at[pl.ds(row0, block_q), :, :],
         o.reshape(block_q, heads, o_ref.shape[2]).astype(o_ref.dtype),
         mask=o_mask,
     )
     lse_mask = jnp.broadcast_to(row_ok[:, None], (block_q, heads))
-    masked_store(lse_ref.at[pl.ds(row0, block_q), :], lse.reshape(block_q, heads), mask=lse_mask)
+    plgpu.store(lse_ref.at[pl.ds(row0, block_q), :], lse.reshape(block_q, heads), mask=lse_mask)
 
 
 def paged_flash_attention(
@@ -222,7 +222,7 @@ def paged_flash_attention(
         soft_cap=soft_cap,
     )
     kv_spec = pl.BlockSpec(
-        (num_blocks, SQUEEZED, block_size, head_dim), lambda g, h, s: (0, h, 0, 0)
+        (num_blocks, pl.squeezed, block_size, head_dim), lambda g, h, s: (0, h, 0, 0)
     )
     return pl.pallas_call(
         kernel,
@@ -233,22 +233,23 @@ def paged_flash_attention(
             whole(query_start_loc),
             whole(seq_lens),
             whole(block_tables),
-            pl.BlockSpec((rows, SQUEEZED, heads, head_dim), lambda g, h, s: (0, h, 0, 0)),
+            pl.BlockSpec((rows, pl.squeezed, heads, head_dim), lambda g, h, s: (0, h, 0, 0)),
             kv_spec,
             kv_spec,
             whole(kv_scales),
         ],
         out_specs=[
             pl.BlockSpec(
-                (SQUEEZED, rows, SQUEEZED, heads, head_dim), lambda g, h, s: (s, 0, h, 0, 0)
+                (pl.squeezed, rows, pl.squeezed, heads, head_dim), lambda g, h, s: (s, 0, h, 0, 0)
             ),
-            pl.BlockSpec((SQUEEZED, rows, SQUEEZED, heads), lambda g, h, s: (s, 0, h, 0)),
+            pl.BlockSpec((pl.squeezed, rows, pl.squeezed, heads), lambda g, h, s: (s, 0, h, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((num_splits, rows, num_kv_heads, heads, head_dim), out_dtype),
             jax.ShapeDtypeStruct((num_splits, rows, num_kv_heads, heads), jnp.float32),
         ],
-        compiler_params=triton_params(num_warps, num_stages),
+        # Triton params select the Triton lowering (GPU Pallas defaults to Mosaic GPU).
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(block_seq, block_row, query_start_loc, seq_lens, block_tables, q, k_cache, v_cache, kv_scales)

@@ -13,8 +13,7 @@ from typing import NamedTuple
 import jax
 
 from pallas_kernels import reference
-
-BACKEND_NAMES = ("auto", "pallas", "pallas_interpret", "reference")
+from pallas_kernels.names import BACKEND_NAMES, AttentionBackend
 
 
 class AttentionOps(NamedTuple):
@@ -31,16 +30,38 @@ class AttentionOps(NamedTuple):
     validate: bool = False
 
 
-def _ops(kernels, validate: bool, **bound) -> AttentionOps:
+def _pallas_ops() -> AttentionOps:
+    """The Pallas kernels, imported on first use: a reference-only caller never loads
+    the Triton lowering."""
+    from pallas_kernels.block_copy import copy_blocks
+    from pallas_kernels.decode_attention import paged_attention
+    from pallas_kernels.kv_write import write_kv
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+
+    return AttentionOps(write_kv, ragged_paged_attention, paged_attention, copy_blocks)
+
+
+def _reference_ops() -> AttentionOps:
+    return AttentionOps(
+        reference.write_kv,
+        reference.ragged_paged_attention,
+        reference.paged_attention,
+        reference.copy_blocks,
+    )
+
+
+def _bind(ops: AttentionOps, validate: bool, **bound) -> AttentionOps:
+    """`ops` with `bound` (and ``validate=True`` when asked) fixed in every op."""
+    kw = dict(bound, validate=True) if validate else bound
+
     def bind(fn):
-        kw = dict(bound, validate=True) if validate else bound
         return functools.partial(fn, **kw) if kw else fn
 
     return AttentionOps(
-        write_kv=bind(kernels.write_kv),
-        ragged_paged_attention=bind(kernels.ragged_paged_attention),
-        paged_attention=bind(kernels.paged_attention),
-        copy_blocks=bind(kernels.copy_blocks),
+        write_kv=bind(ops.write_kv),
+        ragged_paged_attention=bind(ops.ragged_paged_attention),
+        paged_attention=bind(ops.paged_attention),
+        copy_blocks=bind(ops.copy_blocks),
         validate=validate,
     )
 
@@ -69,7 +90,9 @@ def check_backend(name: str, platform: str | None = None) -> None:
         )
 
 
-def get_attention_ops(name: str | AttentionOps = "auto", *, validate: bool = False) -> AttentionOps:
+def get_attention_ops(
+    name: AttentionBackend | AttentionOps = "auto", *, validate: bool = False
+) -> AttentionOps:
     """Returns the paged ops of one backend.
 
     Args:
@@ -89,10 +112,8 @@ def get_attention_ops(name: str | AttentionOps = "auto", *, validate: bool = Fal
     if name == "auto":
         name = "pallas" if jax.default_backend() == "gpu" else "reference"
     if name in ("pallas", "pallas_interpret"):
-        from pallas_kernels import kernels
-
         interpret = {"interpret": True} if name == "pallas_interpret" else {}
-        return _ops(kernels, validate, **interpret)
+        return _bind(_pallas_ops(), validate, **interpret)
     if name == "reference":
-        return _ops(reference, validate)
+        return _bind(_reference_ops(), validate)
     raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, BACKEND_NAMES))}")

@@ -16,8 +16,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import masked_store, triton_params
 from pallas_kernels.validation import check_copy_pairs, validate_copy_blocks
 
 
@@ -38,8 +38,8 @@ def _copy_blocks_kernel(
     dst = jnp.where(keep, dst, 0)
     tile = k_cache_ref.shape[2:]
     mask = jnp.broadcast_to(keep, tile)
-    masked_store(k_cache_ref.at[dst, head], k_cache_ref[src, head], mask=mask)
-    masked_store(v_cache_ref.at[dst, head], v_cache_ref[src, head], mask=mask)
+    plgpu.store(k_cache_ref.at[dst, head], k_cache_ref[src, head], mask=mask)
+    plgpu.store(v_cache_ref.at[dst, head], v_cache_ref[src, head], mask=mask)
 
 
 @partial(jax.jit, static_argnames=("num_warps", "interpret", "validate"))
@@ -89,7 +89,8 @@ def copy_blocks(
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ],
         input_output_aliases={2: 0, 3: 1},
-        compiler_params=triton_params(num_warps, 1),
+        # Triton params select the Triton lowering (GPU Pallas defaults to Mosaic GPU).
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="paged_copy_blocks",
     )(src_block_ids, dst_block_ids, k_cache, v_cache)

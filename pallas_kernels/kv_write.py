@@ -17,8 +17,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._compat import SQUEEZED, masked_store, triton_params
 from pallas_kernels.quantization import kv_scales_array, quantize
 from pallas_kernels.validation import check_slot_mapping, validate_write_kv
 
@@ -49,8 +49,8 @@ def _write_kv_kernel(
     dst = (block, head, offset, lane)
     k = quantize(k_ref[...], scales_ref[0], k_cache_ref.dtype)
     v = quantize(v_ref[...], scales_ref[1], v_cache_ref.dtype)
-    masked_store(k_cache_ref.at[dst], k, mask=mask)
-    masked_store(v_cache_ref.at[dst], v, mask=mask)
+    plgpu.store(k_cache_ref.at[dst], k, mask=mask)
+    plgpu.store(v_cache_ref.at[dst], v, mask=mask)
 
 
 @partial(jax.jit, static_argnames=("block_t", "num_warps", "interpret", "validate"))
@@ -90,7 +90,7 @@ def write_kv(
         k = jnp.pad(k, ((0, pad), (0, 0), (0, 0)))
         v = jnp.pad(v, ((0, pad), (0, 0), (0, 0)))
         slot_mapping = jnp.pad(slot_mapping, (0, pad), constant_values=-1)
-    row_spec = pl.BlockSpec((block_t, SQUEEZED, head_dim), lambda t, h: (t, h, 0))
+    row_spec = pl.BlockSpec((block_t, pl.squeezed, head_dim), lambda t, h: (t, h, 0))
     cache_spec = pl.BlockSpec(k_cache.shape, lambda t, h: (0, 0, 0, 0))
     return pl.pallas_call(
         functools.partial(_write_kv_kernel, block_size=block_size),
@@ -109,7 +109,8 @@ def write_kv(
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
         ],
         input_output_aliases={3: 0, 4: 1},
-        compiler_params=triton_params(num_warps, 1),
+        # Triton params select the Triton lowering (GPU Pallas defaults to Mosaic GPU).
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="paged_write_kv",
     )(slot_mapping, k, v, k_cache, v_cache, kv_scales_array(k_scale, v_scale))

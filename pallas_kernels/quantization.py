@@ -17,8 +17,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-# EngineConfig.kv_cache_dtype names -> cache dtypes ("auto" = the model dtype: no entry).
-FP8_KV_CACHE_DTYPES = {
+from pallas_kernels.names import Fp8KVCacheDtype
+
+# names.FP8_KV_CACHE_DTYPE_NAMES -> cache dtypes (EngineConfig.kv_cache_dtype's "auto" is
+# the model dtype: no entry).
+FP8_KV_CACHE_DTYPES: dict[Fp8KVCacheDtype, jnp.dtype] = {
     "fp8_e4m3": jnp.dtype(jnp.float8_e4m3fn),
     "fp8_e5m2": jnp.dtype(jnp.float8_e5m2),
 }

@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from paged_jax.constants import is_int
 from paged_jax.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
@@ -108,8 +109,7 @@ def parse_jsonl_line(index: int, line_no: int, line: str) -> PromptLine:
     if kind == "prompt" and not isinstance(value, str):
         return bad(f"prompt={value!r} must be a string")
     if kind == "prompt_token_ids" and (
-        not isinstance(value, list)
-        or not all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+        not isinstance(value, list) or not all(is_int(t) for t in value)
     ):
         return bad(f"prompt_token_ids={value!r} must be a list of ints")
     if kind == "messages" and not isinstance(value, list):

@@ -156,7 +156,7 @@ def _lower_step(runner: Runner, step) -> str:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
 
     args = runner.step_args(step)
-    return lower_for_cuda(runner._step, *jax.tree.map(spec, args))
+    return lower_for_cuda(runner.jitted_step, *jax.tree.map(spec, args))
 
 
 @pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode-only"])
