@@ -13,13 +13,8 @@ import sys
 import time
 from typing import Any
 
-from paged_jax.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    PREEMPTION_MODES,
-    EngineConfig,
-)
+from paged_jax.config import EngineConfig
+from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
 from paged_jax.entrypoints.output_file import JsonlStream, check_writable, write_json_atomic
 from paged_jax.entrypoints.prompts_file import PromptLine, params_for, read_prompt_lines
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -52,6 +47,58 @@ exit status: 0 all requests succeeded, 1 some requests failed (see their records
 """
 
 
+# SamplingParams fields on the command line, in --help order. The CLI's own defaults:
+# greedy and 32 tokens (the API's SamplingParams() samples at temperature 1, 16 tokens).
+SAMPLING_FLAGS = {
+    "n": Flag("completions per prompt"),
+    "temperature": Flag("0 = greedy (API: 1.0)", default=0.0),
+    "top_p": Flag("nucleus mass; 1 = off"),
+    "top_k": Flag("0 or -1 = off"),
+    "min_p": Flag("0 = off"),
+    "seed": Flag("per-request seed"),
+    "max_tokens": Flag("most tokens per completion", default=32),
+    "min_tokens": Flag("EOS/stop masked before"),
+    "stop": Flag(
+        "stop string (repeat the flag for more)", default=None, extra={"action": "append"}
+    ),
+    "stop_token_ids": Flag("besides EOS", default=None, extra={"nargs": "+", "metavar": "ID"}),
+    "ignore_eos": Flag("generate past EOS"),
+    "logprobs": Flag(f"top logprobs per token (0-{MAX_LOGPROBS})"),
+    "presence_penalty": Flag("[-2, 2]"),
+    "frequency_penalty": Flag("[-2, 2]"),
+    "repetition_penalty": Flag("> 0; 1 = off"),
+    "include_stop_str_in_output": Flag("keep the stop string / stop token text in the output text"),
+    "skip_special_tokens": Flag("keep special tokens in the output text"),
+}
+SAMPLING_ABSENT: dict[str, str] = {}
+
+# EngineConfig fields on the command line, in --help order.
+ENGINE_FLAGS = {
+    "block_size": Flag("tokens per KV block"),
+    "num_kv_blocks": Flag("None = sized from memory"),
+    "kv_cache_memory": Flag("KV budget: bytes (> 1) or a fraction of free device memory (<= 1)"),
+    "max_num_seqs": Flag("per step"),
+    "max_num_batched_tokens": Flag("token budget per step"),
+    "max_model_len": Flag("None = model's"),
+    "tensor_parallel_size": Flag(
+        "split weights and KV caches over the first N devices (docs/scale_out.md)"
+    ),
+    "preemption_mode": Flag("recompute (vLLM V1) or swap to host memory"),
+    "attention_backend": Flag("auto = Pallas on GPU, reference elsewhere; pallas needs a GPU"),
+    "dtype": Flag("auto = bf16 on GPU, else f32"),
+    "kv_cache_dtype": Flag("auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
+    "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),
+    "async_scheduling": Flag("read each step's tokens before scheduling the next (for debugging)"),
+    # --seed is the per-request SamplingParams.seed.
+    "seed": Flag("seed for unseeded requests", name="engine-seed"),
+}
+ENGINE_ABSENT = {
+    "scheduling_policy": "the prompts file carries no request priority",
+    "hash_algo": "the prefix-cache hash changes no output",
+    "validate": "a debugging switch of the tests (device-side range checks)",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -70,73 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", help="write one JSON line per request here")
     p.add_argument("--summary-json", help="write the run's summary as JSON here")
     s = p.add_argument_group("sampling (SamplingParams fields; JSONL lines may override)")
-    d = SamplingParams()
-    s.add_argument("--n", type=int, default=d.n, help="completions per prompt")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (API: 1.0)")
-    s.add_argument("--top-p", type=float, default=d.top_p, help="nucleus mass; 1 = off")
-    s.add_argument("--top-k", type=int, default=d.top_k, help="0 or -1 = off")
-    s.add_argument("--min-p", type=float, default=d.min_p, help="0 = off")
-    s.add_argument("--seed", type=int, default=d.seed, help="per-request seed")
-    s.add_argument("--max-tokens", type=int, default=32, help="most tokens per completion")
-    s.add_argument("--min-tokens", type=int, default=d.min_tokens, help="EOS/stop masked before")
-    s.add_argument(
-        "--stop", action="append", default=None, help="stop string (repeat the flag for more)"
-    )
-    s.add_argument(
-        "--stop-token-ids", type=int, nargs="+", default=None, metavar="ID", help="besides EOS"
-    )
-    s.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
-    s.add_argument(
-        "--logprobs",
-        type=int,
-        default=d.logprobs,
-        help=f"top logprobs per token (0-{MAX_LOGPROBS})",
-    )
-    s.add_argument("--presence-penalty", type=float, default=d.presence_penalty, help="[-2, 2]")
-    s.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty, help="[-2, 2]")
-    s.add_argument(
-        "--repetition-penalty", type=float, default=d.repetition_penalty, help="> 0; 1 = off"
-    )
-    s.add_argument(
-        "--include-stop-str-in-output",
-        action="store_true",
-        help="keep the stop string / stop token text in the output text",
-    )
-    s.add_argument(
-        "--no-skip-special-tokens",
-        dest="skip_special_tokens",
-        action="store_false",
-        help="keep special tokens in the output text",
-    )
+    add_field_flags(s, SamplingParams, SAMPLING_FLAGS, SAMPLING_ABSENT)
     e = p.add_argument_group("engine (EngineConfig fields)")
-    c = EngineConfig()
-    # EngineConfig fields: the flag is the field name with dashes; the default is the field's.
-    for flag, kind, text in (
-        ("--block-size", int, "tokens per KV block"),
-        ("--num-kv-blocks", int, "None = sized from memory"),
-        ("--kv-cache-memory", float, "KV budget: bytes (> 1) or a fraction of free device memory (<= 1)"),
-        ("--max-num-seqs", int, "per step"),
-        ("--max-num-batched-tokens", int, "token budget per step"),
-        ("--max-model-len", int, "None = model's"),
-        ("--tensor-parallel-size", int, "split weights and KV caches over the first N devices (docs/scale_out.md)"),
-    ):  # fmt: skip
-        e.add_argument(flag, type=kind, default=getattr(c, flag[2:].replace("-", "_")), help=text)
-    for flag, choices, text in (
-        ("--preemption-mode", PREEMPTION_MODES, "recompute (vLLM V1) or swap to host memory"),
-        ("--attention-backend", ATTENTION_BACKENDS, "auto = Pallas on GPU, reference elsewhere; pallas needs a GPU"),
-        ("--dtype", DTYPES, "auto = bf16 on GPU, else f32"),
-        ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
-    ):  # fmt: skip
-        e.add_argument(
-            flag, choices=choices, default=getattr(c, flag[2:].replace("-", "_")), help=text
-        )
-    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
-    e.add_argument(
-        "--no-async-scheduling",
-        action="store_true",
-        help="read each step's tokens before scheduling the next (for debugging)",
-    )
-    e.add_argument("--engine-seed", type=int, default=c.seed, help="seed for unseeded requests")
+    add_field_flags(e, EngineConfig, ENGINE_FLAGS, ENGINE_ABSENT)
     e.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -150,50 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows every default and keeps the epilog's line breaks."""
 
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        # A switch (a flag without a value) is off unless given, whichever field value
+        # it sets: --no-prefix-caching and --ignore-eos both show False.
+        if action.option_strings and action.nargs == 0 and action.default is not argparse.SUPPRESS:
+            return f"{action.help} (default: False)"
+        return super()._get_help_string(action)
 
-def _engine_args(args: argparse.Namespace) -> dict:
-    memory = args.kv_cache_memory
+
+def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keyword arguments of the engine flags (the LLM's keywords too)."""
+    engine_args = field_values(args, EngineConfig, ENGINE_FLAGS)
+    memory = engine_args["kv_cache_memory"]
     if memory is not None and memory > 1:
-        memory = int(memory)
-    return dict(
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory=memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_caching,
-        preemption_mode=args.preemption_mode,
-        attention_backend=args.attention_backend,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.engine_seed,
-        async_scheduling=not args.no_async_scheduling,
-        tensor_parallel_size=args.tensor_parallel_size,
-    )
+        engine_args["kv_cache_memory"] = int(memory)  # bytes; <= 1 is a fraction
+    return engine_args
 
 
 def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     """The run-wide SamplingParams: one flag per field (ValueError names the field)."""
-    return SamplingParams(
-        n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        min_tokens=args.min_tokens,
-        stop=tuple(args.stop or ()),
-        stop_token_ids=tuple(args.stop_token_ids or ()),
-        ignore_eos=args.ignore_eos,
-        logprobs=args.logprobs,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        include_stop_str_in_output=args.include_stop_str_in_output,
-        skip_special_tokens=args.skip_special_tokens,
-    )
+    return SamplingParams(**field_values(args, SamplingParams, SAMPLING_FLAGS))
 
 
 @dataclasses.dataclass
@@ -222,7 +181,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
             check_writable(args.summary_json, "--summary-json") if args.summary_json else None
         )
         output = JsonlStream(args.output) if args.output else None
-        engine_args = _engine_args(args)
+        engine_args = engine_args_from_args(args)
         EngineConfig(**engine_args)
         params = sampling_params_from_args(args)
         if args.prompts:
