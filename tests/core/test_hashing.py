@@ -11,12 +11,20 @@ import sys
 import pytest
 import xxhash
 
-from paged_jax import NONE_HASH, BlockHasher, Request, hash_block_tokens, none_hash
-from paged_jax.core.hashing import encode_extra_keys, pack_token_ids
+from paged_jax import Request
+from paged_jax.core.hashing import (
+    NONE_HASH,
+    BlockHasher,
+    encode_extra_keys,
+    hash_block_tokens,
+    none_hash,
+    pack_token_ids,
+)
 
 _HASH_SCRIPT = """
 import json
-from paged_jax import BlockHasher, Request
+from paged_jax import Request
+from paged_jax.core.hashing import BlockHasher
 out = {}
 for algo in ("sha256", "xxhash"):
     r = Request("r", list(range(1000, 1037)), cache_salt="salt", adapter_id=5,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax import BlockHasher, KVCacheManager, Request, RequestStatus
+from paged_jax import KVCacheManager, Request, RequestStatus
+from paged_jax.core.hashing import BlockHasher
 
 
 def test_request_counts_and_outputs():
