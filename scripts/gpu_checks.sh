@@ -22,7 +22,7 @@ STEPS=(
   "gpu_tests|170|pytest -m gpu tests"
   "bench_kernels|120|scripts/bench_kernels.py (6 decode cells x 3 implementations)"
   "bench_engine|110|scripts/bench_engine.py --systems paged, one cell"
-  "fp8_decode|30|scripts/bench_fp8_decode.py: decode on bf16 vs fp8 caches (issue 17)"
+  "fp8_decode|30|scripts/bench_fp8_decode.py: decode on bf16 vs fp8 caches"
 )
 BUDGET_LIMIT=480
 

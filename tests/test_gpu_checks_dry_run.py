@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEVICE_COMMAND_LIMIT_S = 480  # the bound, inside a 600 s command / 15 min lease
+DEVICE_COMMAND_LIMIT_S = 480  # inside a 600 s device command and a 15-minute lease
 
 
 def test_dry_run_prints_the_plan_and_a_budget_that_fits():

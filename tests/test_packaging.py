@@ -1,4 +1,4 @@
-"""The installed package layout matches DESIGN.md: models/ is importable as paged_jax.models."""
+"""The installed package layout: models/ installs as paged_jax.models, every package is listed."""
 
 from __future__ import annotations
 
