@@ -444,7 +444,8 @@ class KVCacheManager:
     def _copy_on_write(
         self, request_id: str, manager: SingleTypeKVCacheManager, index: int
     ) -> None:
-        """Gives the request a fresh block at a shared table slot; the copy runs next step."""
+        """Gives the request a fresh block at a shared table slot; the device fills it from
+        the old block before this step's KV writes."""
         old = manager.get_blocks(request_id)[index]
         new = self.pending_copies.copy_on_write(request_id, manager.kv_cache_group_id, index, old)
         manager.replace_block(request_id, index, new)
