@@ -71,12 +71,13 @@ class Block(nnx.Module):
 
     def paged(self, x, kv_cache, meta, ops):
         q, k, v = self.qkv(x)
-        k_cache, v_cache = ops.write_kv(*kv_cache, k, v, meta.slot_mapping)
+        slot_mapping, block_table = meta.for_group(0)  # one KV-cache group: full attention
+        k_cache, v_cache = ops.write_kv(*kv_cache, k, v, slot_mapping)
         attn = ops.ragged_paged_attention(
             q,
             k_cache,
             v_cache,
-            meta.block_tables,
+            block_table,
             meta.seq_lens,
             meta.query_start_loc,
             scale=self.c.head_dim**-0.5,

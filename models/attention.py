@@ -1,13 +1,13 @@
 """Multi-head (GQA) self-attention with a dense causal path and a paged-KV-cache path.
 
 The dense path is the parity oracle (no cache, equal-length rows); the paged path writes
-the new tokens' K/V by slot mapping and runs paged attention from pallas_kernels (ragged,
-or the decode kernel on decode-only steps).
+the new tokens' K/V by its KV-cache group's slot mapping and runs paged attention over
+that group's block table (pallas_kernels: ragged, or the decode kernel on decode-only
+steps). AttentionMetadata is defined jax-free in paged_jax.worker.attention_metadata.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -17,72 +17,16 @@ from flax import nnx
 import pallas_kernels
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.layers import apply_rotary, linear, matmul_precision
+from paged_jax.worker.attention_metadata import AttentionMetadata
+
+__all__ = ["Attention", "AttentionMetadata", "KVCache", "causal_attention"]
 
 KVCache = tuple[jax.Array, jax.Array]  # (k_cache, v_cache) of one layer; layout is the kernels'
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionMetadata:
-    """Where the new tokens of one paged step go and what they attend to (a pytree).
-
-    Shapes are fixed per bucket: T tokens (padded), S sequences (padded), W block-table width.
-    ``decode_only`` and ``validate`` are static (pytree metadata, not leaves): a jitted
-    step compiles once per (bucket, flags) and may branch on them in Python.
-
-    Attributes:
-        slot_mapping: i32[T] cache slot (block_id * block_size + offset) of each token; -1
-            for padding rows, whose K/V are dropped.
-        block_tables: i32[S, W] block ids of each sequence in token order; 0 (null block) pads.
-        seq_lens: i32[S] context length of each sequence including its new tokens; 0 pads.
-        query_start_loc: i32[S + 1] offsets of each sequence's new tokens in the token rows.
-        logits_indices: i32[S] token row whose logits are returned for each sequence
-            (usually query_start_loc[1:] - 1); any valid row for padding sequences.
-        extra_slot_mappings: i32[T] per further KV-cache group (groups 1..G-1): models
-            with full and sliding-window layers keep one block table per group.
-        extra_block_tables: i32[S, W] per further KV-cache group.
-        decode_only: every sequence has exactly one new token and row i is sequence i's
-            (query_start_loc = [0, 1, ..., n, n, ...]): attention may use the decode
-            kernel (pallas_kernels.step_attention).
-        validate: range-check block ids, slots and lengths on device (debug; the caller
-            functionalizes the checks with checkify, as Runner does).
-    """
-
-    slot_mapping: jax.Array
-    block_tables: jax.Array
-    seq_lens: jax.Array
-    query_start_loc: jax.Array
-    logits_indices: jax.Array
-    extra_slot_mappings: tuple[jax.Array, ...] = ()
-    extra_block_tables: tuple[jax.Array, ...] = ()
-    decode_only: bool = False
-    validate: bool = False
-
-    def for_group(self, group: int) -> AttentionMetadata:
-        """The metadata a layer of KV-cache group `group` reads (its slots and table)."""
-        if group == 0:
-            return self
-        if group > len(self.extra_block_tables):
-            raise ValueError(
-                f"kv_cache_group={group} needs extra_block_tables/extra_slot_mappings for "
-                f"groups 1..{group}; attn_metadata carries {len(self.extra_block_tables)}"
-            )
-        return dataclasses.replace(
-            self,
-            slot_mapping=self.extra_slot_mappings[group - 1],
-            block_tables=self.extra_block_tables[group - 1],
-            extra_slot_mappings=(),
-            extra_block_tables=(),
-        )
-
-
-_STATIC_FIELDS = ("decode_only", "validate")
-jax.tree_util.register_dataclass(
-    AttentionMetadata,
-    data_fields=[
-        f.name for f in dataclasses.fields(AttentionMetadata) if f.name not in _STATIC_FIELDS
-    ],
-    meta_fields=list(_STATIC_FIELDS),
-)
+# The paged forwards are jitted with AttentionMetadata as an argument: a pytree whose
+# decode_only/validate flags are static (its module is jax-free, so it registers here).
+jax.tree_util.register_dataclass(AttentionMetadata)
 
 
 def causal_attention(
@@ -173,11 +117,12 @@ class Attention(nnx.Module):
         self.v_proj = linear(hidden, kv_dim, bias=config.qkv_bias, config=config, rngs=rngs)
         self.o_proj = linear(q_dim, hidden, bias=config.out_bias, config=config, rngs=rngs)
 
-    def _qkv(
+    def qkv(
         self,
         x: jax.Array,  # f[..., tokens, hidden]
         positions: jax.Array,  # i32[..., tokens]
     ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f[..., tokens, heads, head_dim] each
+        """q, k, v of `x` after the optional q/k norms and the rotary embedding (as cached)."""
         lead = x.shape[:-1]
         q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
@@ -195,7 +140,7 @@ class Attention(nnx.Module):
         positions: jax.Array,  # i32[batch, seq]
     ) -> jax.Array:  # f[batch, seq, hidden]
         """Dense causal self-attention over whole rows."""
-        q, k, v = self._qkv(x, positions)
+        q, k, v = self.qkv(x, positions)
         out = causal_attention(
             q,
             k,
@@ -220,18 +165,16 @@ class Attention(nnx.Module):
 
         Reads and writes through its own KV-cache group's slot mapping and block table.
         """
-        attn_metadata = attn_metadata.for_group(self.kv_cache_group)
-        q, k, v = self._qkv(x, positions)
+        slot_mapping, block_table = attn_metadata.for_group(self.kv_cache_group)
+        q, k, v = self.qkv(x, positions)
         scales = {} if kv_scale is None else {"k_scale": kv_scale[0], "v_scale": kv_scale[1]}
-        k_cache, v_cache = ops.write_kv(
-            kv_cache[0], kv_cache[1], k, v, attn_metadata.slot_mapping, **scales
-        )
+        k_cache, v_cache = ops.write_kv(kv_cache[0], kv_cache[1], k, v, slot_mapping, **scales)
         out = pallas_kernels.step_attention(
             ops,
             q,
             k_cache,
             v_cache,
-            attn_metadata.block_tables,
+            block_table,
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             decode_only=attn_metadata.decode_only,

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from paged_jax.constants import cdiv
 from paged_jax.models.attention import AttentionMetadata, KVCache
 from paged_jax.models.decoder import CausalLM
 
@@ -43,7 +44,8 @@ def make_attn_metadata(
         max_blocks_per_seq: padded table width W (default: the longest table).
 
     Returns:
-        positions i32[T] and the AttentionMetadata, padded as the engine pads.
+        positions i32[T] and the AttentionMetadata of one KV-cache group, padded as the
+        engine pads.
     """
     total = int(sum(num_new))
     num_tokens = num_tokens or total
@@ -70,7 +72,9 @@ def make_attn_metadata(
         query_start_loc[i] = start
         start += new
         logits_indices[i] = max(start - 1, 0)  # a sequence with no new tokens: ignored
-    metadata = AttentionMetadata(slot_mapping, tables, seq_lens, query_start_loc, logits_indices)
+    metadata = AttentionMetadata(
+        (slot_mapping,), (tables,), seq_lens, query_start_loc, logits_indices
+    )
     return positions, metadata
 
 
@@ -129,7 +133,7 @@ def greedy_generate_paged(
         each generated token was picked from).
     """
     lengths = [len(p) + max_new_tokens for p in prompts]
-    blocks_needed = [-(-n // block_size) for n in lengths]
+    blocks_needed = [cdiv(n, block_size) for n in lengths]
     num_groups = len(model.kv_cache_groups())
     num_blocks = num_groups * sum(blocks_needed) + 1
     free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
@@ -147,7 +151,7 @@ def greedy_generate_paged(
     chunk = prefill_chunk or max(len(p) for p in prompts)
     # One padded T for every step (one compilation, as an engine bucket); decode steps
     # exercise the padding rows.
-    num_tokens = -(-chunk * len(prompts) // 8) * 8
+    num_tokens = cdiv(chunk * len(prompts), 8) * 8
     while min(len(t) - len(p) for t, p in zip(tokens, prompts)) < max_new_tokens:
         new = [min(len(t) - c, chunk) for t, c in zip(tokens, computed)]
         step_ids = np.zeros(num_tokens, np.int32)
@@ -166,10 +170,10 @@ def greedy_generate_paged(
             for tables in group_tables
         ]
         positions, metadata = packed[0]
-        metadata = dataclasses.replace(
+        metadata = dataclasses.replace(  # one slot mapping and table per group
             metadata,
-            extra_slot_mappings=tuple(m.slot_mapping for _, m in packed[1:]),
-            extra_block_tables=tuple(m.block_tables for _, m in packed[1:]),
+            slot_mappings=tuple(m.slot_mappings[0] for _, m in packed),
+            block_tables=tuple(m.block_tables[0] for _, m in packed),
         )
         logits, kv_caches = step(step_ids, positions, kv_caches, metadata, kv_scales=kv_scales)
         logits = np.asarray(logits)

@@ -58,10 +58,8 @@ def profile_engine(args: argparse.Namespace, model) -> dict:
     def timed(step, **kwargs):
         t0 = time.perf_counter()
         result = dispatch(step, **kwargs).result()
-        kind = "decode" if step.decode_only else "mixed"
-        times[(kind, step.token_ids.shape[0], step.block_tables.shape[0])].append(
-            time.perf_counter() - t0
-        )
+        kind = "decode" if step.attention.decode_only else "mixed"
+        times[(kind, *step.bucket)].append(time.perf_counter() - t0)
         return _Done(result)
 
     runner.dispatch = timed

@@ -74,16 +74,17 @@ class SumModel(nnx.Module):
         v = v.at[:, 0, 0].set(token_ids.astype(jnp.float32)).at[:, 0, 1].set(1.0)
         k = jnp.zeros_like(v)
         q = jnp.zeros_like(v)
+        slot_mapping, block_table = attn_metadata.for_group(0)  # one KV-cache group
         new_caches = []
         out = None
         for k_cache, v_cache in kv_caches:
-            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
+            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
             out = pallas_kernels.step_attention(
                 ops,
                 q,
                 k_cache,
                 v_cache,
-                attn_metadata.block_tables,
+                block_table,
                 attn_metadata.seq_lens,
                 attn_metadata.query_start_loc,
                 decode_only=attn_metadata.decode_only,

@@ -1,9 +1,9 @@
 """Copy-on-write inside the jitted step: ``cache[dst] = cache[src]`` for every layer, first.
 
-The host schedules the copies (``KVCacheManager.take_pending_copies``) and StepInput
-carries them as fixed-width (src, dst) arrays padded with dst = -1, so the step keeps
-one shape. They run before the step's KV writes, on the donated caches, through the
-attention backend's ``copy_blocks`` (the Pallas kernel on GPU, the XLA reference else).
+The host schedules the copies (``KVCacheManager.take_pending_copies``) and the StepInput
+carries them as a fixed-width BlockCopies (src, dst) padded with dst = -1, so the step
+keeps one shape. They run before the step's KV writes, on the donated caches, through
+the attention backend's ``copy_blocks`` (the Pallas kernel on GPU, the XLA reference else).
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import jax
 
 import pallas_kernels
+from paged_jax.worker.step_input import BlockCopies
 
 
 def copy_kv_blocks(
     kv_caches: Sequence[tuple[jax.Array, jax.Array]],
-    copy_src: jax.Array,  # i32[C]
-    copy_dst: jax.Array,  # i32[C]; -1 = padding
+    copies: BlockCopies,  # src i32[C], dst i32[C] (-1 = padding)
     *,
     attention_backend: str = "auto",
 ) -> list[tuple[jax.Array, jax.Array]]:
@@ -28,4 +28,4 @@ def copy_kv_blocks(
     guarantee it), so the copies may run in any order.
     """
     copy = pallas_kernels.get_attention_ops(attention_backend).copy_blocks
-    return [tuple(copy(k, v, copy_src, copy_dst)) for k, v in kv_caches]
+    return [tuple(copy(k, v, copies.src, copies.dst)) for k, v in kv_caches]

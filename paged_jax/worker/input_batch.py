@@ -1,24 +1,22 @@
-"""InputBatch: persistent numpy buffers packed into a fixed-shape StepInput (host side).
+"""InputBatch: persistent numpy rows packed into a fixed-shape StepInput (host side).
 
 Each running request owns one row of the persistent buffers (its token ids, block
-table and sampling settings). Rows are written when a request is added, appended to
+tables and sampling settings). Rows are written when a request is added, appended to
 as it grows, and reused when it leaves; a step only gathers the scheduled rows and
-computes positions / slot mapping with vectorised numpy, then pads everything to the
+computes positions / slot mappings with vectorised numpy, then pads everything to the
 step's (num_tokens, num_seqs) bucket so the jitted step never sees a new shape.
 
     query_start_loc:  0        3    4          9 (= num real tokens) ... padding
     tokens:           [a a a | b | c c c c c | pad pad ...]
     sequence a: 3 new tokens at positions seq_len_a-3 .. seq_len_a-1
 
-A model with several KV-cache groups (full attention + sliding windows) has one block
-table and one slot mapping per group: group 0 in `block_tables` / `slot_mapping`, the
-others in `extra_block_tables` / `extra_slot_mappings`. Window tables read 0 (the null
-block) for blocks wholly below the window, as the host's managers hold them.
+The result is already grouped the way the step consumes it (paged_jax.worker.step_input):
+AttentionMetadata with one block table and slot mapping per KV-cache group (the rows
+live in a BlockTable), SamplingMetadata, the TokenFeed and the step's BlockCopies.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -28,55 +26,11 @@ from paged_jax.config import EngineConfig, bucket_for
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
+from paged_jax.worker.attention_metadata import AttentionMetadata
+from paged_jax.worker.block_table import PAD_SLOT_ID, BlockIds, BlockTable
+from paged_jax.worker.step_input import BlockCopies, SamplingMetadata, StepInput, TokenFeed
 
-PAD_SLOT_ID = -1
-
-
-@dataclasses.dataclass(frozen=True)
-class StepInput:
-    """Everything one jitted step reads, padded to a (num_tokens, num_seqs) bucket.
-
-    T = padded num_tokens, S = padded num_seqs, W = max_blocks_per_seq, K = stop-id width,
-    G = number of KV-cache groups (slot_mapping and block_tables are group 0's).
-    C = max_num_seqs (at most one copy-on-write per scheduled sequence and group).
-    """
-
-    token_ids: np.ndarray  # i32[T]
-    positions: np.ndarray  # i32[T]
-    slot_mapping: np.ndarray  # i32[T]; -1 = padding (write dropped)
-    block_tables: np.ndarray  # i32[S, W]; 0 = null block
-    seq_lens: np.ndarray  # i32[S]; 0 = padded sequence
-    query_start_loc: np.ndarray  # i32[S + 1]
-    logits_indices: np.ndarray  # i32[S]; index of each sequence's last scheduled token
-    temperature: np.ndarray  # f32[S]
-    top_k: np.ndarray  # i32[S]
-    top_p: np.ndarray  # f32[S]
-    min_p: np.ndarray  # f32[S]
-    seeds: np.ndarray  # u32[S]
-    counters: np.ndarray  # i32[S]; tokens generated so far per sequence
-    masked_token_ids: np.ndarray  # i32[S, K]; banned this step (min_tokens), -1 = none
-    token_rows: np.ndarray  # i32[T]; row whose on-device sample is this token, -1 = token_ids
-    sample_rows: np.ndarray  # i32[S]; row that keeps the sample on device; R = padding
-    copy_src: np.ndarray  # i32[C]; copy-on-write sources (C = max_num_seqs), run first
-    copy_dst: np.ndarray  # i32[C]; their destinations, -1 = padding (no copy)
-    num_tokens: int  # real (unpadded) tokens
-    num_seqs: int  # real (unpadded) sequences
-    extra_slot_mappings: tuple[np.ndarray, ...] = ()  # G - 1 x i32[T]: groups 1..G-1
-    extra_block_tables: tuple[np.ndarray, ...] = ()  # G - 1 x i32[S, W]: groups 1..G-1
-    # Penalties: None when no scheduled request uses one (the runner then feeds a
-    # resident all-zero history of the same shape, so nothing is copied per step).
-    presence_penalty: np.ndarray | None = None  # f32[S]; 0 = off
-    frequency_penalty: np.ndarray | None = None  # f32[S]; 0 = off
-    repetition_penalty: np.ndarray | None = None  # f32[S]; 1 = off
-    history_token_ids: np.ndarray | None = None  # i32[S, max_model_len]; prompt + output
-    # Every scheduled sequence has exactly one new token (row i = sequence i): the step
-    # may take the decode kernel. Static for the jitted step: its own compile per bucket.
-    decode_only: bool = False
-
-    @property
-    def bucket(self) -> tuple[int, int]:
-        """The (num_tokens, num_seqs) bucket of this step."""
-        return int(self.token_ids.shape[0]), int(self.seq_lens.shape[0])
+__all__ = ["PAD_SLOT_ID", "InputBatch", "ScheduledSeq", "StepInput", "decode_step_shapes"]
 
 
 def decode_step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
@@ -103,7 +57,13 @@ class _RowsSampling(NamedTuple):
 
 
 class InputBatch:
-    """Persistent per-request rows and the packing of a step's StepInput."""
+    """Persistent per-request rows and the packing of a step's StepInput.
+
+    Args:
+        config: the resolved EngineConfig (buckets, max_num_seqs, max_model_len, ...).
+        stop_ids_width: K, the most stop ids min_tokens bans per request.
+        kv_cache_groups: the model's KV-cache groups (one block table each).
+    """
 
     def __init__(
         self,
@@ -113,17 +73,16 @@ class InputBatch:
         kv_cache_groups: Sequence[KVCacheGroupSpec] = (FULL_ATTENTION,),
     ):
         self.config = config
-        self.block_size = config.block_size
-        n, w = config.max_num_seqs, config.max_blocks_per_seq
+        n = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.token_ids = np.zeros((n, config.max_model_len), np.int32)
         self.num_token_ids = np.zeros(n, np.int32)
-        self.windows = tuple(g.sliding_window for g in kv_cache_groups)
-        # Per group: block tables i32[n, w] and their filled lengths i32[n].
-        self.group_block_tables = [np.zeros((n, w), np.int32) for _ in self.windows]
-        self.group_num_blocks = [np.zeros(n, np.int32) for _ in self.windows]
-        self.block_tables = self.group_block_tables[0]
-        self.num_blocks = self.group_num_blocks[0]
+        self.block_table = BlockTable(
+            n,
+            config.max_blocks_per_seq,
+            config.block_size,
+            windows=[g.sliding_window for g in kv_cache_groups],
+        )
         self.temperature = np.zeros(n, np.float32)
         self.top_k = np.zeros(n, np.int32)
         self.top_p = np.ones(n, np.float32)
@@ -147,12 +106,12 @@ class InputBatch:
         self,
         req_id: str,
         token_ids: Sequence[int],
-        block_ids: Sequence[int],
+        block_ids: BlockIds,
         params: SamplingParams,
         seed: int,
         min_tokens_stop_ids: Sequence[int] = (),
     ) -> None:
-        """Give a (new or resumed) request a row holding its tokens and block table."""
+        """Give a (new or resumed) request a row holding its tokens and block tables."""
         assert req_id not in self.row_of, f"request {req_id!r} already has a row: double add"
         row = self.req_of_row.index(None)
         self._rows_version += 1
@@ -160,10 +119,7 @@ class InputBatch:
         self.req_of_row[row] = req_id
         self.num_token_ids[row] = 0
         self.append_token_ids(req_id, token_ids)
-        for table, num in zip(self.group_block_tables, self.group_num_blocks):
-            num[row] = 0
-            table[row] = 0
-        self.append_block_ids(req_id, block_ids)
+        self.block_table.add_row(row, block_ids)
         self.temperature[row] = params.temperature
         self.top_k[row] = params.effective_top_k
         self.top_p[row] = params.top_p
@@ -185,11 +141,10 @@ class InputBatch:
         row = self.row_of.pop(req_id)
         self._rows_version += 1
         self.req_of_row[row] = None
-        for table, num in zip(self.group_block_tables, self.group_num_blocks):
-            table[row, : num[row]] = 0
-            num[row] = 0
+        self.block_table.clear_row(row)
 
     def append_token_ids(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Appends known token ids (prompt or output) to the request's row."""
         row = self.row_of[req_id]
         start = int(self.num_token_ids[row])
         end = start + len(token_ids)
@@ -199,10 +154,7 @@ class InputBatch:
 
     def replace_block_ids(self, req_id: str, updates: Sequence[tuple[int, int, int]]) -> None:
         """Points table slots at their copy-on-write copies: (group, index, new block id)."""
-        row = self.row_of[req_id]
-        for group, index, block_id in updates:
-            assert index < self.group_num_blocks[group][row], "a copy replaced a missing block"
-            self.group_block_tables[group][row, index] = block_id
+        self.block_table.replace(self.row_of[req_id], updates)
 
     def append_sampled(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
         """Append one sampled token to each given row (one vectorised write per step)."""
@@ -214,41 +166,21 @@ class InputBatch:
         self.token_ids[r, ends] = token_ids
         self.num_token_ids[r] = ends + 1
 
-    def _per_group(self, block_ids) -> Sequence[Sequence[int]]:
-        """A flat id list (single-group models) or one list per group -> per group."""
-        if len(self.windows) == 1 and (not block_ids or not isinstance(block_ids[0], Sequence)):
-            return (block_ids,)
-        assert len(block_ids) == len(self.windows), "one block-id list per KV-cache group"
-        return block_ids
-
-    def append_block_ids(
-        self, req_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]]
-    ) -> None:
+    def append_block_ids(self, req_id: str, block_ids: BlockIds) -> None:
         """Appends blocks to the request's table(s): a flat list or one list per group."""
-        row = self.row_of[req_id]
-        for g, ids in enumerate(self._per_group(block_ids)):
-            if not len(ids):
-                continue
-            num = self.group_num_blocks[g]
-            start = int(num[row])
-            end = start + len(ids)
-            table = self.group_block_tables[g]
-            assert end <= table.shape[1], "block table wider than max_blocks_per_seq"
-            table[row, start:end] = ids
-            num[row] = end
+        self.block_table.append_row(self.row_of[req_id], block_ids)
 
-    def append_new_block_ids(
-        self, new_block_ids: dict[str, Sequence[int] | Sequence[Sequence[int]]]
-    ) -> None:
+    def append_new_block_ids(self, new_block_ids: dict[str, BlockIds]) -> None:
         """append_block_ids for every request of a step's SchedulerOutput.new_block_ids.
 
         The common decode case (one group, one new block per request) is one vectorised
         write; anything else goes request by request.
         """
-        if len(self.windows) == 1 and len(new_block_ids) > 1:
+        table = self.block_table
+        if table.num_groups == 1 and len(new_block_ids) > 1:
             ids = []
             for block_ids in new_block_ids.values():
-                group = self._per_group(block_ids)[0]
+                group = table.per_group(block_ids)[0]
                 if len(group) != 1:
                     break
                 ids.append(group[0])
@@ -256,13 +188,7 @@ class InputBatch:
                 rows = np.fromiter(
                     map(self.row_of.__getitem__, new_block_ids), np.intp, len(new_block_ids)
                 )
-                num = self.num_blocks
-                ends = num[rows]
-                assert (ends < self.block_tables.shape[1]).all(), (
-                    "block table wider than max_blocks_per_seq"
-                )
-                self.block_tables[rows, ends] = ids
-                num[rows] = ends + 1
+                table.append_one_per_row(rows, ids)
                 return
         for req_id, block_ids in new_block_ids.items():
             self.append_block_ids(req_id, block_ids)
@@ -304,32 +230,13 @@ class InputBatch:
         token_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         token_ids[:num_tokens] = self.token_ids[row_of_token, pos]
+        positions[:num_tokens] = pos
         # A token the host does not have yet (async scheduling: sampled by the step in
         # flight) is read on device from its row's last sample.
         token_rows = np.full(t_pad, -1, np.int32)
         token_rows[:num_tokens] = np.where(
             pos >= self.num_token_ids[row_of_token], row_of_token, -1
         )
-        positions[:num_tokens] = pos
-        slot_mappings, block_tables = [], []
-        block_size = self.block_size
-        block_index = pos // block_size
-        block_offset = pos % block_size
-        for table, window in zip(self.group_block_tables, self.windows):
-            slot_mapping = np.full(t_pad, PAD_SLOT_ID, np.int32)
-            block_ids = table[row_of_token, block_index]
-            assert (block_ids > 0).all(), "a scheduled token has no block: allocate_slots skipped"
-            slot_mapping[:num_tokens] = block_ids * block_size + block_offset
-            tables = np.zeros((s_pad, table.shape[1]), np.int32)
-            tables[:num_seqs] = table[rows]
-            if window is not None:
-                # Blocks wholly below this step's window were freed (and may be reused):
-                # null them, exactly as SlidingWindowManager did before this step.
-                num_dead = np.maximum(computed - window + 1, 0) // block_size
-                cols = np.arange(table.shape[1])
-                tables[:num_seqs][cols[None, :] < num_dead[:, None]] = 0
-            slot_mappings.append(slot_mapping)
-            block_tables.append(tables)
         seq_lens = np.zeros(s_pad, np.int32)
         seq_lens[:num_seqs] = computed + num_new
         query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
@@ -337,16 +244,45 @@ class InputBatch:
         query_start_loc[1 : num_seqs + 1] = cu
         logits_indices = np.zeros(s_pad, np.int32)
         logits_indices[:num_seqs] = cu - 1
-        counters = np.zeros(s_pad, np.int32)
-        counters[:num_seqs] = num_out
-
+        attention = AttentionMetadata(
+            slot_mappings=self.block_table.slot_mappings(row_of_token, pos, t_pad),
+            block_tables=self.block_table.step_tables(rows, computed, s_pad),
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            logits_indices=logits_indices,
+            decode_only=decode_only,
+            validate=cfg.validate,
+        )
         rows_sampling = self._rows_sampling(rows, s_pad)
+        return StepInput(
+            token_ids=token_ids,
+            positions=positions,
+            attention=attention,
+            sampling=self._sampling(rows, num_out, seq_lens, rows_sampling),
+            feed=TokenFeed(token_rows=token_rows, sample_rows=rows_sampling.sample_rows),
+            copies=self._copies(block_copies),
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+        )
+
+    def _sampling(
+        self,
+        rows: np.ndarray,
+        num_out: np.ndarray,
+        seq_lens: np.ndarray,
+        rows_sampling: _RowsSampling,
+    ) -> SamplingMetadata:
+        """The step's SamplingMetadata: the reused per-row arrays plus this step's counters,
+        min_tokens bans and (only when some row uses one) penalties with the history."""
+        num_seqs, s_pad = len(rows), len(seq_lens)
 
         def padded(buf: np.ndarray, fill) -> np.ndarray:
             out = np.full((s_pad, *buf.shape[1:]), fill, buf.dtype)
             out[:num_seqs] = buf[rows]
             return out
 
+        counters = np.zeros(s_pad, np.int32)
+        counters[:num_seqs] = num_out
         if rows_sampling.any_min_tokens:
             masked = padded(self.stop_ids, -1)
             active = np.zeros(s_pad, bool)
@@ -361,16 +297,9 @@ class InputBatch:
                 frequency_penalty=padded(self.frequency_penalty, 0.0),
                 repetition_penalty=padded(self.repetition_penalty, 1.0),
                 history_token_ids=padded(self.token_ids, 0),
+                history_lens=seq_lens,
             )
-        copy_src, copy_dst = self._copies(block_copies)
-        return StepInput(
-            token_ids=token_ids,
-            positions=positions,
-            slot_mapping=slot_mappings[0],
-            block_tables=block_tables[0],
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            logits_indices=logits_indices,
+        return SamplingMetadata(
             temperature=rows_sampling.temperature,
             top_k=rows_sampling.top_k,
             top_p=rows_sampling.top_p,
@@ -378,16 +307,7 @@ class InputBatch:
             seeds=rows_sampling.seeds,
             counters=counters,
             masked_token_ids=masked,
-            token_rows=token_rows,
-            sample_rows=rows_sampling.sample_rows,
-            copy_src=copy_src,
-            copy_dst=copy_dst,
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            extra_slot_mappings=tuple(slot_mappings[1:]),
-            extra_block_tables=tuple(block_tables[1:]),
             **penalties,
-            decode_only=decode_only,
         )
 
     def _rows_sampling(self, rows: np.ndarray, s_pad: int) -> _RowsSampling:
@@ -420,43 +340,50 @@ class InputBatch:
         self._rows_sampling_cache = (key, entry)
         return entry
 
-    def _copies(self, pairs: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    def _copies(self, pairs: Sequence[tuple[int, int]]) -> BlockCopies:
         width = self.config.max_num_seqs
         assert len(pairs) <= width, "more block copies than scheduled sequences in one step"
         src = np.zeros(width, np.int32)
         dst = np.full(width, PAD_SLOT_ID, np.int32)
         if pairs:
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
-        return src, dst
+        return BlockCopies(src=src, dst=dst)
 
     def dummy_step_input(
         self, num_tokens: int, num_seqs: int, decode_only: bool = False
     ) -> StepInput:
         """An all-padding StepInput of one bucket (for warmup): writes and reads nothing."""
-        s, t, w = num_seqs, num_tokens, self.block_tables.shape[1]
-        k = self.stop_ids.shape[1]
-        return StepInput(
-            token_ids=np.zeros(t, np.int32),
-            positions=np.zeros(t, np.int32),
-            slot_mapping=np.full(t, PAD_SLOT_ID, np.int32),
-            block_tables=np.zeros((s, w), np.int32),
+        s, t = num_seqs, num_tokens
+        slot_mappings, block_tables = self.block_table.padding(t, s)
+        attention = AttentionMetadata(
+            slot_mappings=slot_mappings,
+            block_tables=block_tables,
             seq_lens=np.zeros(s, np.int32),
             query_start_loc=np.zeros(s + 1, np.int32),
             logits_indices=np.zeros(s, np.int32),
+            decode_only=decode_only,
+            validate=self.config.validate,
+        )
+        sampling = SamplingMetadata(
             temperature=np.zeros(s, np.float32),
             top_k=np.zeros(s, np.int32),
             top_p=np.ones(s, np.float32),
             min_p=np.zeros(s, np.float32),
             seeds=np.zeros(s, np.uint32),
             counters=np.zeros(s, np.int32),
-            masked_token_ids=np.full((s, k), -1, np.int32),
+            masked_token_ids=np.full((s, self.stop_ids.shape[1]), -1, np.int32),
+        )
+        feed = TokenFeed(
             token_rows=np.full(t, -1, np.int32),
             sample_rows=np.full(s, len(self.req_of_row), np.int32),
-            copy_src=np.zeros(self.config.max_num_seqs, np.int32),
-            copy_dst=np.full(self.config.max_num_seqs, PAD_SLOT_ID, np.int32),
+        )
+        return StepInput(
+            token_ids=np.zeros(t, np.int32),
+            positions=np.zeros(t, np.int32),
+            attention=attention,
+            sampling=sampling,
+            feed=feed,
+            copies=self._copies(()),
             num_tokens=0,
             num_seqs=0,
-            extra_slot_mappings=tuple(np.full(t, PAD_SLOT_ID, np.int32) for _ in self.windows[1:]),
-            extra_block_tables=tuple(np.zeros((s, w), np.int32) for _ in self.windows[1:]),
-            decode_only=decode_only,
         )

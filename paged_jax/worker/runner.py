@@ -1,9 +1,11 @@
 """Runner: owns the model's weights and the paged KV caches on device; runs one jitted step.
 
-The step is one jitted function of (weights, kv_caches, StepInput arrays): the model's
-paged forward (write_kv, then paged attention, per layer: the decode kernel on
-decode-only steps, else ragged) and the sampler. The KV caches are donated so XLA
-updates them in place. Every input has a bucketed shape, so `warmup()` compiles every
+The step is one jitted function whose arguments follow the data flow: device state
+(weights, kv_caches, kv_scales, row_tokens), then the StepInput's parts (token_ids,
+positions, attention, sampling, feed, copies). It runs the copies, the model's paged
+forward (write_kv, then paged attention, per layer: the decode kernel on decode-only
+steps, else ragged) and the sampler. The KV caches are donated so XLA updates them in
+place. Every input has a bucketed shape, so `warmup()` compiles every
 bucket (and every decode-only bucket) once and serving never compiles again; a global
 listener on jax's compile events keeps an honest count. With `EngineConfig.validate`
 the step is checkified: a bad block id or slot raises instead of corrupting the cache.
@@ -23,18 +25,14 @@ from jax.experimental import checkify
 
 from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
-from paged_jax.models import AttentionMetadata
+from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
 from paged_jax.worker.block_copies import copy_kv_blocks
-from paged_jax.worker.input_batch import StepInput, decode_step_shapes
+from paged_jax.worker.input_batch import decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
-from paged_jax.worker.sampling import (
-    SamplerOutput,
-    SamplingMetadata,
-    sample,
-    with_fed_last_token,
-)
+from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
-from paged_jax.worker.token_feed import TokenFeed, feed_tokens, init_row_tokens, record_tokens
+from paged_jax.worker.step_input import BlockCopies, SamplingMetadata, StepInput, TokenFeed
+from paged_jax.worker.token_feed import feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -196,27 +194,27 @@ class Runner:
                 return model
 
         def step_fn(
-            weights,
-            kv_caches,
-            kv_scales,
-            row_tokens,
-            token_ids,
-            positions,
-            feed,
-            attn_meta,
-            samp_meta,
-            copies,
-        ):
+            weights: Any,
+            kv_caches: list,  # donated
+            kv_scales: jax.Array | None,  # f32[num_layers, 2]; fp8 caches only
+            row_tokens: jax.Array,  # i32[max_num_seqs]; donated
+            token_ids: jax.Array,  # i32[T]
+            positions: jax.Array,  # i32[T]
+            attention: AttentionMetadata,
+            sampling: SamplingMetadata,
+            feed: TokenFeed,
+            copies: BlockCopies,
+        ) -> tuple[SamplerOutput, list, jax.Array]:
             m = merge(weights)
             # Copy-on-write copies run before this step writes any KV.
-            kv_caches = copy_kv_blocks(kv_caches, *copies, attention_backend=backend)
+            kv_caches = copy_kv_blocks(kv_caches, copies, attention_backend=backend)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             extra = {} if kv_scales is None else {"kv_scales": kv_scales}
             logits, kv_caches = m.forward_paged(
-                token_ids, positions, kv_caches, attn_meta, attention_backend=backend, **extra
+                token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
             )
-            samp_meta = with_fed_last_token(samp_meta, token_ids, attn_meta.logits_indices)
-            out = sample(gather(logits), samp_meta)
+            sampling = with_fed_last_token(sampling, token_ids, attention.logits_indices)
+            out = sample(gather(logits), sampling)
             return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
 
         if config.validate:  # the kernels' checkify.checks become an error output
@@ -233,7 +231,8 @@ class Runner:
                 shardings = (rep, shardings)
             tp_out = dict(out_shardings=shardings)
             self.row_tokens = jax.device_put(self.row_tokens, rep)
-        self._step = jax.jit(step_fn, donate_argnums=(1, 3), **tp_out)
+        # The jitted step; step_args(step) are its arguments for one StepInput.
+        self.jitted_step = jax.jit(step_fn, donate_argnums=(1, 3), **tp_out)
         self.num_decode_only_steps = 0  # real steps that took the decode kernel path
         width = config.max_blocks_per_seq
         self._swap_width = width
@@ -260,30 +259,13 @@ class Runner:
         return self.dispatch(step).result()
 
     def step_args(self, step: StepInput) -> tuple:
-        """The jitted step's positional arguments for one StepInput (the one place they
-        are assembled: dispatch calls the step with them, the lowering test lowers it)."""
-        attn = AttentionMetadata(
-            slot_mapping=step.slot_mapping,
-            block_tables=step.block_tables,
-            seq_lens=step.seq_lens,
-            query_start_loc=step.query_start_loc,
-            logits_indices=step.logits_indices,
-            extra_slot_mappings=step.extra_slot_mappings,
-            extra_block_tables=step.extra_block_tables,
-            decode_only=step.decode_only,
-            validate=self.config.validate,
+        """The jitted step's arguments for one StepInput: the device state, then the step's
+        parts as the input batch built them (the one place they are assembled: dispatch
+        calls the step with them, the CUDA lowering test lowers it with them)."""
+        assert step.attention.validate == self.config.validate, (
+            "the StepInput's validate flag differs from the runner's EngineConfig.validate: "
+            "the input batch and the runner were built from different configs"
         )
-        samp = SamplingMetadata(
-            temperature=step.temperature,
-            top_k=step.top_k,
-            top_p=step.top_p,
-            min_p=step.min_p,
-            seeds=step.seeds,
-            counters=step.counters,
-            masked_token_ids=step.masked_token_ids,
-            **self._penalty_fields(step),
-        )
-        feed = TokenFeed(token_rows=step.token_rows, sample_rows=step.sample_rows)
         return (
             self.weights,
             self.kv_caches,
@@ -291,10 +273,10 @@ class Runner:
             self.row_tokens,
             step.token_ids,
             step.positions,
-            feed,
-            attn,
-            samp,
-            (step.copy_src, step.copy_dst),
+            step.attention,
+            self._with_penalty_inputs(step.sampling, step.attention.seq_lens),
+            step.feed,
+            step.copies,
         )
 
     def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
@@ -304,12 +286,12 @@ class Runner:
         placeholder tokens read them; the host copy starts now and is read by
         ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
         """
-        result = self._step(*self.step_args(step))
+        result = self.jitted_step(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
         out, self.kv_caches, self.row_tokens = result
         if err is not None:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
-        self.num_decode_only_steps += step.decode_only and step.num_seqs > 0
+        self.num_decode_only_steps += step.attention.decode_only and step.num_seqs > 0
         return PendingStep(out, step.num_seqs, with_logprobs)
 
     def set_kv_scales(self, scales: Any) -> None:
@@ -324,29 +306,27 @@ class Runner:
             )
         self.kv_scales = jax.numpy.asarray(check_kv_scales(scales, self._num_layers))
 
-    def _penalty_fields(self, step: StepInput) -> dict[str, Any]:
-        """The sampler's penalty inputs; without penalties, neutral values and a resident
-        zero history of the same shape (no per-step copy, no second compile)."""
-        s = step.seq_lens.shape[0]
-        if step.history_token_ids is not None:
-            history = step.history_token_ids
-            presence, frequency = step.presence_penalty, step.frequency_penalty
-            repetition = step.repetition_penalty
-        else:
-            if s not in self._zero_history:
-                width = self.config.max_model_len
-                self._zero_history[s] = jax.device_put(np.zeros((s, width), np.int32))
-            history = self._zero_history[s]
-            if s not in self._neutral_penalties:  # read-only constants, made once
-                self._neutral_penalties[s] = (np.zeros(s, np.float32), np.ones(s, np.float32))
-            presence, repetition = self._neutral_penalties[s]
-            frequency = presence
-        return dict(
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
-            history_token_ids=history,
-            history_lens=step.seq_lens,
+    def _with_penalty_inputs(
+        self, sampling: SamplingMetadata, seq_lens: np.ndarray
+    ) -> SamplingMetadata:
+        """The sampler's inputs with every penalty field set. A step without penalties
+        gets neutral values and a resident zero history of the same shape, so its
+        history is never copied and it shares the compile of a step with penalties."""
+        if sampling.history_token_ids is not None:
+            return sampling
+        s = seq_lens.shape[0]
+        if s not in self._zero_history:
+            width = self.config.max_model_len
+            self._zero_history[s] = jax.device_put(np.zeros((s, width), np.int32))
+        if s not in self._neutral_penalties:  # read-only constants, made once
+            self._neutral_penalties[s] = (np.zeros(s, np.float32), np.ones(s, np.float32))
+        off, one = self._neutral_penalties[s]
+        return sampling._replace(
+            presence_penalty=off,
+            frequency_penalty=off,
+            repetition_penalty=one,
+            history_token_ids=self._zero_history[s],
+            history_lens=seq_lens,
         )
 
     def warmup(self, steps: list[StepInput], on_step: Any = None) -> None:
@@ -360,8 +340,9 @@ class Runner:
             if on_step is not None:
                 on_step(i, len(steps), step.bucket)
             variants = [step]
-            if step.bucket in decode_shapes and not step.decode_only:
-                variants.append(dataclasses.replace(step, decode_only=True))
+            if step.bucket in decode_shapes and not step.attention.decode_only:
+                decode = dataclasses.replace(step.attention, decode_only=True)
+                variants.append(dataclasses.replace(step, attention=decode))
             for variant in variants:
                 result = self.execute(variant)
                 assert result.token_ids.shape == (0,), "a padding-only step produced samples"

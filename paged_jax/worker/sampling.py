@@ -13,25 +13,15 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.sampling_params import MAX_LOGPROBS
+from paged_jax.worker.step_input import SamplingMetadata
 
-
-class SamplingMetadata(NamedTuple):
-    """Per-row sampling settings, padded to the step's num_seqs bucket S."""
-
-    temperature: jax.Array  # f32[S]; 0 = greedy
-    top_k: jax.Array  # i32[S]; 0 = off
-    top_p: jax.Array  # f32[S]; 1 = off
-    min_p: jax.Array  # f32[S]; 0 = off
-    seeds: jax.Array  # u32[S]
-    counters: jax.Array  # i32[S]; tokens generated so far (the key's fold-in)
-    masked_token_ids: jax.Array  # i32[S, K]; tokens banned this step (-1 = unused); min_tokens
-    # Penalties (None = all off). A row's history is its prompt then its output tokens:
-    # positions [0, history_lens) are valid, the last `counters` of them are output.
-    presence_penalty: jax.Array | None = None  # f32[S]; 0 = off
-    frequency_penalty: jax.Array | None = None  # f32[S]; 0 = off
-    repetition_penalty: jax.Array | None = None  # f32[S]; 1 = off
-    history_token_ids: jax.Array | None = None  # i32[S, L]; L = max_model_len
-    history_lens: jax.Array | None = None  # i32[S]; tokens in the history (prompt + output)
+__all__ = [
+    "SamplerOutput",
+    "SamplingMetadata",
+    "apply_penalties",
+    "sample",
+    "with_fed_last_token",
+]
 
 
 class SamplerOutput(NamedTuple):

@@ -10,22 +10,14 @@ sample while it is still needed, unlike a ring buffer):
     step N+1:  token_ids[t] = row_tokens[token_rows[t]] where token_rows[t] >= 0
 
 Both are fixed-shape gathers/scatters inside the jitted step: no new shapes, no
-host round trip. The synchronous engine passes token_rows = -1 everywhere.
+host round trip. The synchronous engine passes token_rows = -1 everywhere. The two
+row arrays travel in the StepInput's TokenFeed (paged_jax.worker.step_input).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
-
-
-class TokenFeed(NamedTuple):
-    """Where a step's placeholder tokens come from and where its samples go."""
-
-    token_rows: jax.Array  # i32[T]; row whose last sample is this token, -1 = host token
-    sample_rows: jax.Array  # i32[S]; row that keeps this sequence's sample, >= R = dropped
 
 
 def init_row_tokens(num_rows: int) -> jax.Array:

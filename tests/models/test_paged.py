@@ -72,7 +72,9 @@ def test_jitted_split_merge_with_donated_caches_and_padding(tiny_hf_checkpoint):
         tables, [0, 0], [7, 3], block_size=4, num_tokens=16, num_seqs=4, max_blocks_per_seq=3
     )
     assert isinstance(metadata, AttentionMetadata)
-    assert metadata.slot_mapping[10:].tolist() == [-1] * 6 and positions[10:].tolist() == [0] * 6
+    assert (
+        metadata.slot_mappings[0][10:].tolist() == [-1] * 6 and positions[10:].tolist() == [0] * 6
+    )
     assert metadata.seq_lens.tolist() == [7, 3, 0, 0]
     token_ids = np.zeros(16, np.int32)
     token_ids[:10] = prompts[0] + prompts[1]

@@ -31,14 +31,14 @@ def _seq(req_id: str, computed: int, new: int) -> ScheduledSeq:
 def test_all_single_token_rows_make_a_decode_only_step():
     batch = _batch()
     step = batch.prepare([_seq("r0", 4, 1), _seq("r1", 7, 1), _seq("r2", 2, 1)])
-    assert step.decode_only
-    assert step.query_start_loc.tolist()[:5] == [0, 1, 2, 3, 3]
+    assert step.attention.decode_only
+    assert step.attention.query_start_loc.tolist()[:5] == [0, 1, 2, 3, 3]
 
 
 def test_a_step_with_a_prefill_chunk_is_not_decode_only():
     batch = _batch()
     step = batch.prepare([_seq("r0", 0, 5), _seq("r1", 7, 1)])
-    assert not step.decode_only
+    assert not step.attention.decode_only
 
 
 def test_decode_step_shapes_cover_every_decode_batch_size():
@@ -46,5 +46,5 @@ def test_decode_step_shapes_cover_every_decode_batch_size():
     # n decodes: n tokens in the token buckets (16, 32, 64), n seqs in (8, 16, 20).
     assert decode_step_shapes(cfg) == [(16, 8), (16, 16), (32, 20)]
     assert set(decode_step_shapes(cfg)) <= set(cfg.step_shapes())
-    assert not _batch().dummy_step_input(16, 8).decode_only
-    assert _batch().dummy_step_input(16, 8, decode_only=True).decode_only
+    assert not _batch().dummy_step_input(16, 8).attention.decode_only
+    assert _batch().dummy_step_input(16, 8, decode_only=True).attention.decode_only

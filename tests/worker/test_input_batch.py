@@ -35,20 +35,20 @@ def test_prefill_chunk_and_decode_pack_into_one_step():
     np.testing.assert_array_equal(step.token_ids[:3], [14, 15, 23])
     np.testing.assert_array_equal(step.positions[:3], [4, 5, 3])
     # pos 4,5 of a live in its 2nd block (id 3): slots 12, 13; pos 3 of b in block 5: slot 23.
-    np.testing.assert_array_equal(step.slot_mapping[:3], [12, 13, 23])
-    assert (step.slot_mapping[3:] == PAD_SLOT_ID).all()
+    np.testing.assert_array_equal(step.attention.slot_mappings[0][:3], [12, 13, 23])
+    assert (step.attention.slot_mappings[0][3:] == PAD_SLOT_ID).all()
     assert (step.positions[3:] == 0).all()
-    np.testing.assert_array_equal(step.seq_lens[:2], [6, 4])
-    assert (step.seq_lens[2:] == 0).all()
-    np.testing.assert_array_equal(step.query_start_loc, [0, 2, 3, 3, 3, 3, 3, 3, 3])
-    np.testing.assert_array_equal(step.logits_indices[:2], [1, 2])
-    np.testing.assert_array_equal(step.block_tables[0, :3], [7, 3, 0])
-    np.testing.assert_array_equal(step.block_tables[1, :2], [5, 0])
-    assert (step.block_tables[2:] == 0).all()
-    np.testing.assert_allclose(step.temperature[:2], [0.0, 0.8])
-    np.testing.assert_array_equal(step.top_k[:2], [0, 5])
-    np.testing.assert_array_equal(step.seeds[:2], [1, 2])
-    np.testing.assert_array_equal(step.counters[:2], [0, 1])
+    np.testing.assert_array_equal(step.attention.seq_lens[:2], [6, 4])
+    assert (step.attention.seq_lens[2:] == 0).all()
+    np.testing.assert_array_equal(step.attention.query_start_loc, [0, 2, 3, 3, 3, 3, 3, 3, 3])
+    np.testing.assert_array_equal(step.attention.logits_indices[:2], [1, 2])
+    np.testing.assert_array_equal(step.attention.block_tables[0][0, :3], [7, 3, 0])
+    np.testing.assert_array_equal(step.attention.block_tables[0][1, :2], [5, 0])
+    assert (step.attention.block_tables[0][2:] == 0).all()
+    np.testing.assert_allclose(step.sampling.temperature[:2], [0.0, 0.8])
+    np.testing.assert_array_equal(step.sampling.top_k[:2], [0, 5])
+    np.testing.assert_array_equal(step.sampling.seeds[:2], [1, 2])
+    np.testing.assert_array_equal(step.sampling.counters[:2], [0, 1])
 
 
 def test_rows_are_reused_and_block_tables_append():
@@ -64,8 +64,8 @@ def test_rows_are_reused_and_block_tables_append():
     step = batch.prepare([ScheduledSeq("c", 2, 3, 1)])
     np.testing.assert_array_equal(step.token_ids[:3], [8, 7, 6])
     # positions 2, 3 in block 6 (slots 26, 27); position 4 in block 11 (slot 44).
-    np.testing.assert_array_equal(step.slot_mapping[:3], [26, 27, 44])
-    np.testing.assert_array_equal(step.block_tables[0, :3], [6, 11, 0])
+    np.testing.assert_array_equal(step.attention.slot_mappings[0][:3], [26, 27, 44])
+    np.testing.assert_array_equal(step.attention.block_tables[0][0, :3], [6, 11, 0])
 
 
 def test_min_tokens_masks_stop_ids_until_reached():
@@ -73,19 +73,19 @@ def test_min_tokens_masks_stop_ids_until_reached():
     p = SamplingParams(min_tokens=2, max_tokens=5, stop_token_ids=[9])
     batch.add_request("a", [1, 2], [1], p, seed=0, min_tokens_stop_ids=[9, 2, 9])
     step = batch.prepare([ScheduledSeq("a", 0, 2, 0)])
-    np.testing.assert_array_equal(step.masked_token_ids[0, :3], [9, 2, -1])
-    assert (step.masked_token_ids[1:] == -1).all()
+    np.testing.assert_array_equal(step.sampling.masked_token_ids[0, :3], [9, 2, -1])
+    assert (step.sampling.masked_token_ids[1:] == -1).all()
     batch.append_token_ids("a", [5, 6])
     step = batch.prepare([ScheduledSeq("a", 3, 1, 2)])
-    assert (step.masked_token_ids == -1).all()
+    assert (step.sampling.masked_token_ids == -1).all()
 
 
 def test_dummy_step_input_is_pure_padding():
     batch = make_batch()
     step = batch.dummy_step_input(32, 8)
     assert step.bucket == (32, 8)
-    assert (step.slot_mapping == PAD_SLOT_ID).all()
-    assert (step.seq_lens == 0).all()
+    assert (step.attention.slot_mappings[0] == PAD_SLOT_ID).all()
+    assert (step.attention.seq_lens == 0).all()
 
 
 def test_copies_ride_in_a_fixed_width_padded_array_and_replace_table_slots():
@@ -95,12 +95,14 @@ def test_copies_ride_in_a_fixed_width_padded_array_and_replace_table_slots():
     batch.replace_block_ids("a", [(0, 1, 9)])  # slot 1 now names the copy, block 9
     seqs = [ScheduledSeq("a", num_computed_tokens=5, num_new_tokens=1, num_output_tokens=0)]
     step = batch.prepare(seqs, [(3, 9)])
-    np.testing.assert_array_equal(step.block_tables[0, :3], [7, 9, 0])
-    np.testing.assert_array_equal(step.slot_mapping[:1], [9 * 4 + 1])  # written into the copy
-    assert step.copy_src.shape == step.copy_dst.shape == (8,)  # max_num_seqs: one shape
-    np.testing.assert_array_equal(step.copy_src[:1], [3])
-    np.testing.assert_array_equal(step.copy_dst, [9] + [PAD_SLOT_ID] * 7)
+    np.testing.assert_array_equal(step.attention.block_tables[0][0, :3], [7, 9, 0])
+    np.testing.assert_array_equal(
+        step.attention.slot_mappings[0][:1], [9 * 4 + 1]
+    )  # written into the copy
+    assert step.copies.src.shape == step.copies.dst.shape == (8,)  # max_num_seqs: one shape
+    np.testing.assert_array_equal(step.copies.src[:1], [3])
+    np.testing.assert_array_equal(step.copies.dst, [9] + [PAD_SLOT_ID] * 7)
     plain = batch.prepare(seqs)
-    assert (plain.copy_dst == PAD_SLOT_ID).all()
+    assert (plain.copies.dst == PAD_SLOT_ID).all()
     dummy = batch.dummy_step_input(16, 8)
-    assert dummy.copy_dst.shape == (8,) and (dummy.copy_dst == PAD_SLOT_ID).all()
+    assert dummy.copies.dst.shape == (8,) and (dummy.copies.dst == PAD_SLOT_ID).all()

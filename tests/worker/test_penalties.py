@@ -95,13 +95,13 @@ def test_input_batch_sends_a_history_only_when_a_row_uses_penalties():
     batch = InputBatch(cfg)
     batch.add_request("a", [5, 6, 7], [1], SamplingParams(), seed=0)
     seq = ScheduledSeq("a", num_computed_tokens=0, num_new_tokens=3, num_output_tokens=0)
-    assert batch.prepare([seq]).history_token_ids is None
+    assert batch.prepare([seq]).sampling.history_token_ids is None
     batch.add_request("b", [8, 9], [2], SamplingParams(repetition_penalty=1.2), seed=0)
     seq_b = ScheduledSeq("b", num_computed_tokens=0, num_new_tokens=2, num_output_tokens=0)
     step = batch.prepare([seq, seq_b])
-    assert step.history_token_ids.shape == (8, 32)
-    np.testing.assert_array_equal(step.history_token_ids[1, :2], [8, 9])
-    np.testing.assert_allclose(step.repetition_penalty[:3], [1.0, 1.2, 1.0], rtol=1e-6)
+    assert step.sampling.history_token_ids.shape == (8, 32)
+    np.testing.assert_array_equal(step.sampling.history_token_ids[1, :2], [8, 9])
+    np.testing.assert_allclose(step.sampling.repetition_penalty[:3], [1.0, 1.2, 1.0], rtol=1e-6)
 
 
 @pytest.mark.parametrize(

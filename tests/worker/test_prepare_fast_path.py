@@ -16,13 +16,29 @@ import numpy as np
 from paged_jax.config import EngineConfig, bucket_for
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import PAD_SLOT_ID, InputBatch, ScheduledSeq
+from paged_jax.worker.step_input import StepInput
 
 BS = 4
 MAX_LEN = 32
 
 
+def packed(step: StepInput) -> dict[str, np.ndarray]:
+    """The StepInput's arrays under the reference's names (one KV-cache group)."""
+    attention, sampling, feed = step.attention, step.sampling, step.feed
+    out = {"token_ids": step.token_ids, "positions": step.positions}
+    out.update(slot_mapping=attention.slot_mappings[0], block_tables=attention.block_tables[0])
+    for name in ("seq_lens", "query_start_loc", "logits_indices"):
+        out[name] = getattr(attention, name)
+    for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "counters"):
+        out[name] = getattr(sampling, name)
+    out["masked_token_ids"] = sampling.masked_token_ids
+    out.update(token_rows=feed.token_rows, sample_rows=feed.sample_rows)
+    return out
+
+
 def reference(batch: InputBatch, seqs: list[ScheduledSeq]) -> dict[str, np.ndarray]:
     cfg = batch.config
+    table = batch.block_table.tables[0]
     n = len(seqs)
     t = sum(s.num_new_tokens for s in seqs)
     t_pad = bucket_for(t, cfg.token_buckets)
@@ -32,7 +48,7 @@ def reference(batch: InputBatch, seqs: list[ScheduledSeq]) -> dict[str, np.ndarr
         "positions": np.zeros(t_pad, np.int32),
         "slot_mapping": np.full(t_pad, PAD_SLOT_ID, np.int32),
         "token_rows": np.full(t_pad, -1, np.int32),
-        "block_tables": np.zeros((s_pad, batch.block_tables.shape[1]), np.int32),
+        "block_tables": np.zeros((s_pad, table.shape[1]), np.int32),
         "seq_lens": np.zeros(s_pad, np.int32),
         "query_start_loc": np.full(s_pad + 1, t, np.int32),
         "logits_indices": np.zeros(s_pad, np.int32),
@@ -52,11 +68,11 @@ def reference(batch: InputBatch, seqs: list[ScheduledSeq]) -> dict[str, np.ndarr
         for pos in range(s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens):
             out["token_ids"][k] = batch.token_ids[row, pos]
             out["positions"][k] = pos
-            block = batch.block_tables[row, pos // BS]
+            block = table[row, pos // BS]
             out["slot_mapping"][k] = block * BS + pos % BS
             out["token_rows"][k] = row if pos >= batch.num_token_ids[row] else -1
             k += 1
-        out["block_tables"][i] = batch.block_tables[row]
+        out["block_tables"][i] = table[row]
         out["seq_lens"][i] = s.num_computed_tokens + s.num_new_tokens
         out["query_start_loc"][i + 1] = k
         out["logits_indices"][i] = k - 1
@@ -82,6 +98,7 @@ def test_prepare_matches_a_per_token_reference_on_decode_and_mixed_steps():
     live: dict[str, list[int]] = {}  # req_id -> [num_computed, num_output]
     next_block = 1
     decode_steps = reused = 0
+    previous = None
     for step in range(300):
         # Requests leave (done, or at random) and new ones (other settings) take rows.
         for rid in [r for r, (computed, _) in live.items() if computed >= MAX_LEN - 2]:
@@ -120,14 +137,16 @@ def test_prepare_matches_a_per_token_reference_on_decode_and_mixed_steps():
             seqs.append(ScheduledSeq(rid, computed, num_new, num_out))
         if rng.random() < 0.2:
             rng.shuffle(seqs)
-        before = batch._rows_sampling_cache
         got = batch.prepare(seqs)
-        reused += before is not None and batch._rows_sampling_cache is before
+        # Reused: the very arrays of the previous step, not equal copies.
+        reused += previous is not None and got.sampling.temperature is previous.temperature
+        previous = got.sampling
         want = reference(batch, seqs)
+        got_arrays = packed(got)
         for name, value in want.items():
-            np.testing.assert_array_equal(getattr(got, name), value, err_msg=f"{name} @ {step}")
-        assert got.decode_only == all(s.num_new_tokens == 1 for s in seqs)
-        decode_steps += got.decode_only
+            np.testing.assert_array_equal(got_arrays[name], value, err_msg=f"{name} @ {step}")
+        assert got.attention.decode_only == all(s.num_new_tokens == 1 for s in seqs)
+        decode_steps += got.attention.decode_only
         # The step ran; some rows get their sampled token on the host (others keep a
         # placeholder, read on device), so token_rows varies.
         for s in seqs:

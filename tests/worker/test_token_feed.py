@@ -30,10 +30,10 @@ def test_input_batch_marks_only_tokens_the_host_lacks():
     batch.add_request("b", [4, 5], [2], params, seed=0)  # row 1
     # "a" decodes its in-flight 4th token (position 3, not on the host); "b" prefills.
     step = batch.prepare([ScheduledSeq("a", 3, 1, 1), ScheduledSeq("b", 0, 2, 0)])
-    np.testing.assert_array_equal(step.token_rows[:3], [0, -1, -1])
-    assert (step.token_rows[3:] == -1).all()
-    np.testing.assert_array_equal(step.sample_rows[:2], [0, 1])
-    assert (step.sample_rows[2:] == 4).all()
+    np.testing.assert_array_equal(step.feed.token_rows[:3], [0, -1, -1])
+    assert (step.feed.token_rows[3:] == -1).all()
+    np.testing.assert_array_equal(step.feed.sample_rows[:2], [0, 1])
+    assert (step.feed.sample_rows[2:] == 4).all()
     batch.append_token_ids("a", [9])  # the token arrived: now a host token
     step = batch.prepare([ScheduledSeq("a", 3, 1, 1)])
-    assert step.token_ids[0] == 9 and step.token_rows[0] == -1
+    assert step.token_ids[0] == 9 and step.feed.token_rows[0] == -1
