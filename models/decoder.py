@@ -54,9 +54,14 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
         self.mlp = mlp_cls(config, rngs=rngs)
 
-    def _apply(
+    def apply(
         self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
     ) -> tuple[jax.Array, Any]:  # f[..., hidden], whatever `attend` returns second
+        """The layer around an attention function: norms, residuals and the MLP.
+
+        `attend(h) -> (attention output, extra)` is the dense or the paged attention (or
+        one that records K/V, as calibrate_kv_scales does); `extra` is passed through.
+        """
         h, extra = attend(self.attn_norm(x) if self.pre_norm else x)
         x = x + h
         if not self.pre_norm:
@@ -72,7 +77,7 @@ class DecoderLayer(nnx.Module):
         positions: jax.Array,  # i32[batch, seq]
     ) -> jax.Array:  # f[batch, seq, hidden]
         """Dense causal forward."""
-        x, _ = self._apply(x, lambda h: (self.attn(h, positions), None))
+        x, _ = self.apply(x, lambda h: (self.attn(h, positions), None))
         return x
 
     def forward_paged(
@@ -85,7 +90,7 @@ class DecoderLayer(nnx.Module):
         kv_scale: jax.Array | None = None,  # f32[2]: this layer's fp8 (k_scale, v_scale)
     ) -> tuple[jax.Array, KVCache]:  # f[num_tokens, hidden], updated cache
         """Paged forward: attention reads and writes this layer's KV cache."""
-        return self._apply(
+        return self.apply(
             x,
             lambda h: self.attn.forward_paged(h, positions, kv_cache, attn_metadata, ops, kv_scale),
         )
@@ -196,11 +201,12 @@ class CausalLM(nnx.Module):
 
     # -- forwards -----------------------------------------------------------------------
 
-    def _embed(
+    def embed(
         self,
         token_ids: jax.Array,  # i32[...]
         positions: jax.Array,  # i32[...]
     ) -> jax.Array:  # f[..., hidden]
+        """The input embedding: token (projected in) plus learned position, as the family has."""
         x = self.embed_tokens(token_ids)
         if self.project_in is not None:
             x = self.project_in(x)
@@ -208,7 +214,8 @@ class CausalLM(nnx.Module):
             x = x + self.embed_positions(positions + self.position_offset)
         return x
 
-    def _logits(self, x: jax.Array) -> jax.Array:  # f[..., hidden] -> f32[..., vocab]
+    def logits(self, x: jax.Array) -> jax.Array:  # f[..., hidden] -> f32[..., vocab]
+        """The head after the last layer: final norm, projection out, lm_head or tied."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.project_out is not None:
@@ -228,10 +235,10 @@ class CausalLM(nnx.Module):
         """Dense causal forward without a cache (every row starts at position 0)."""
         batch, seq = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
-        x = self._embed(input_ids, positions)
+        x = self.embed(input_ids, positions)
         for layer in self.layers:
             x = layer(x, positions)
-        return self._logits(x)
+        return self.logits(x)
 
     def forward_paged(
         self,
@@ -250,7 +257,8 @@ class CausalLM(nnx.Module):
                 attn_metadata.query_start_loc[-1] may hold any id.
             positions: position of each token in its sequence; 0 for padding rows.
             kv_caches: per KV tensor (k_cache, v_cache) from `init_kv_caches`; donate them.
-            attn_metadata: slot mapping, block tables, lengths and logits rows.
+            attn_metadata: per KV-cache group slot mapping and block table, lengths
+                and logits rows; each layer reads its group's (``for_group``).
             attention_backend: overrides `self.attention_backend`; must be static.
             kv_scales: per layer (k_scale, v_scale) of fp8 caches, a traced array (new
                 values do not recompile); None = 1.0 (pallas_kernels/quantization.py).
@@ -264,7 +272,7 @@ class CausalLM(nnx.Module):
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
-        x = self._embed(token_ids, positions)
+        x = self.embed(token_ids, positions)
         new_caches = list(kv_caches)
         for i, (layer, t) in enumerate(zip(self.layers, layout.tensor_of_layer)):
             # Layers of different groups may share a tensor (in distinct blocks); the
@@ -273,7 +281,7 @@ class CausalLM(nnx.Module):
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )
-        return self._logits(x[attn_metadata.logits_indices]), new_caches
+        return self.logits(x[attn_metadata.logits_indices]), new_caches
 
     # -- KV cache -----------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_attn_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
         self.post_mlp_norm = norm_cls(config.hidden_size, eps=config.norm_eps, dtype=config.dtype)
 
-    def _apply(
+    def apply(
         self, x: jax.Array, attend: Callable[[jax.Array], tuple[jax.Array, Any]]
     ) -> tuple[jax.Array, Any]:
         h, extra = attend(self.attn_norm(x))
@@ -180,13 +180,13 @@ class _GemmaBase(CausalLM):
     # "norm/" rule; soft caps and the embedding scale are elementwise.
     partition_rules = LLAMA_PARTITION_RULES
 
-    def _embed(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def embed(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
         x = self.embed_tokens(token_ids)
         # transformers casts sqrt(hidden) to the weight dtype before multiplying.
         return x * jnp.asarray(self.config.hidden_size**0.5, dtype=x.dtype)
 
-    def _logits(self, x: jax.Array) -> jax.Array:
-        logits = super()._logits(x)
+    def logits(self, x: jax.Array) -> jax.Array:
+        logits = super().logits(x)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = cap * jnp.tanh(logits / cap)

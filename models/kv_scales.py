@@ -78,16 +78,16 @@ def _kv_amax(model, input_ids):  # i32[1, L] -> f32[num_layers, 2]
     """The dense forward, recording each layer's max|K| and max|V| on the way."""
     seq = input_ids.shape[1]
     positions = jnp.arange(seq, dtype=jnp.int32)[None, :]
-    x = model._embed(input_ids, positions)
+    x = model.embed(input_ids, positions)
     rows = []
     for layer in model.layers:
 
         def attend(h, layer=layer):
-            _, k, v = layer.attn._qkv(h, positions)
+            _, k, v = layer.attn.qkv(h, positions)
             amax = jnp.stack([jnp.max(jnp.abs(k)), jnp.max(jnp.abs(v))]).astype(jnp.float32)
             return layer.attn(h, positions), amax
 
-        x, amax = layer._apply(x, attend)
+        x, amax = layer.apply(x, attend)
         rows.append(amax)
     return jax.device_get(jnp.stack(rows))
 
