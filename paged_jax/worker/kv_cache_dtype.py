@@ -13,16 +13,15 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.constants import KV_CACHE_DTYPE_ALIASES
 from pallas_kernels.quantization import FP8_KV_CACHE_DTYPES
-
-_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def kv_cache_jnp_dtype(name: str) -> jnp.dtype | None:
     """The cache dtype of an EngineConfig.kv_cache_dtype name; None for "auto" (model dtype)."""
     if name == "auto":
         return None
-    name = _ALIASES.get(name, name)
+    name = KV_CACHE_DTYPE_ALIASES.get(name, name)
     if name not in FP8_KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype={name!r} must be one of 'auto', 'fp8', {list(FP8_KV_CACHE_DTYPES)}"

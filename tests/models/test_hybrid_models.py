@@ -91,8 +91,8 @@ def test_engine_greedy_matches_transformers_past_the_window(family, tiny_hf_chec
         ),
     )
     outs = {}
-    for wave in ([0, 1], [2]):  # the second wave hits the first's shared prefix
-        for i in wave:
+    for batch in ([0, 1], [2]):  # the second batch hits the first's shared prefix
+        for i in batch:
             engine.add_request(
                 str(i), prompts[i], SamplingParams(temperature=0, max_tokens=MAX_NEW)
             )
