@@ -11,6 +11,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import cdiv
 
 from pallas_kernels.quantization import is_fp8, quantize
 from pallas_kernels.validation import (
@@ -65,7 +66,7 @@ def _attend_rows(
     _, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, min(block_rows.shape[1], _KV_CHUNK_TOKENS // block_size))
-    num_chunks = -(-block_rows.shape[1] // blocks_per_chunk)
+    num_chunks = cdiv(block_rows.shape[1], blocks_per_chunk)
     # Pad with the null block: its keys sit past every position, so they are masked.
     block_rows = jnp.pad(
         block_rows, ((0, 0), (0, num_chunks * blocks_per_chunk - block_rows.shape[1]))
@@ -147,7 +148,7 @@ def _attend_tile_groups(
     """
     n, b, num_q_heads, head_dim = q.shape
     chunk = min(tiles_per_group, n)
-    padded = -(-n // chunk) * chunk
+    padded = cdiv(n, chunk) * chunk
     pad = padded - n
     q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(
         -1, chunk, b, num_q_heads, head_dim

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import export
+from jax.experimental.pallas import cdiv
 
 # The custom call a Pallas Triton kernel lowers to.
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -55,7 +56,7 @@ def make_case(
     extra_table_cols: int = 1,
 ) -> Case:
     rng = np.random.default_rng(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    blocks_per_seq = [cdiv(n, block_size) for n in seq_lens]
     num_blocks = 1 + sum(blocks_per_seq) + spare_blocks
     width = max(max(blocks_per_seq), 1) + extra_table_cols
     ids = rng.permutation(np.arange(1, num_blocks))
