@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pallas_kernels.layout import KV_CACHE_LAYOUT, NULL_BLOCK_ID, init_kv_cache, kv_cache_shape
     from pallas_kernels.names import BACKEND_NAMES, AttentionBackend
     from pallas_kernels.ragged_attention import ragged_paged_attention
-    from pallas_kernels.step_attention import step_attention
+    from pallas_kernels.step_routing import step_attention
     from pallas_kernels.validation import checked
 
 # Public name -> the submodule that defines it ("reference" is a submodule itself).
@@ -41,7 +41,7 @@ _EXPORTS = {
     "copy_blocks": "block_copy",
     "paged_attention": "decode_attention",
     "ragged_paged_attention": "ragged_attention",
-    "step_attention": "step_attention",
+    "step_attention": "step_routing",
     "write_kv": "kv_write",
     "reference": "reference",
 }
@@ -53,8 +53,8 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'pallas_kernels' has no attribute {name!r}")
     module = importlib.import_module(f"pallas_kernels.{module_name}")
     value = module if name == module_name == "reference" else getattr(module, name)
-    # Bound here so later lookups skip this function. It also rebinds `step_attention`,
-    # which the import system had just set to the submodule of the same name.
+    # Bound here so later lookups skip this function. No submodule shares a public
+    # name (the import system would bind the submodule over it).
     globals()[name] = value
     return value
 

@@ -44,3 +44,17 @@ def test_every_public_name_resolves():
 def test_the_names_are_the_literal_types_and_the_fp8_table():
     assert get_args(names.AttentionBackend) == names.BACKEND_NAMES
     assert tuple(FP8_KV_CACHE_DTYPES) == names.FP8_KV_CACHE_DTYPE_NAMES
+
+
+def test_no_submodule_shadows_a_public_name():
+    # Importing pallas_kernels.X binds the submodule as the package attribute X, so a
+    # submodule named like a lazily loaded function would replace that function.
+    import pathlib
+
+    folder = pathlib.Path(pk.__file__).parent
+    submodules = {p.stem for p in folder.glob("*.py")}
+    assert submodules & set(pk.__all__) == {"reference"}  # `reference` is the module itself
+    loaded = _modules_after(
+        "import pallas_kernels.step_routing, pallas_kernels as pk\nassert callable(pk.step_attention)"
+    )
+    assert "pallas_kernels.step_routing" in loaded
