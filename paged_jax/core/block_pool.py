@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
+from paged_jax.constants import is_int
 from paged_jax.core.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
 from paged_jax.core.kv_cache_block import (
     NULL_BLOCK_ID,
@@ -133,7 +134,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+        if not is_int(num_blocks) or num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks!r} must be an int >= 2 (block 0 is null)")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching

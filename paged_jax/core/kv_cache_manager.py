@@ -10,7 +10,7 @@ import collections
 import dataclasses
 from collections.abc import Sequence
 
-from paged_jax.constants import HASH_ALGOS, cdiv
+from paged_jax.constants import HASH_ALGOS, cdiv, is_int
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
 from paged_jax.core.copy_on_write import BlockCopies, PendingCopies
 from paged_jax.core.hashing import BlockHasher
@@ -31,7 +31,7 @@ __all__ = ["KVCacheBlocks", "KVCacheManager", "PrefixCacheStats"]
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return value
 

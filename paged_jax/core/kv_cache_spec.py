@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from paged_jax.constants import cdiv
+from paged_jax.constants import cdiv, is_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +28,7 @@ class KVCacheGroupSpec:
 
     def __post_init__(self) -> None:
         w = self.sliding_window
-        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+        if w is not None and (not is_int(w) or w < 1):
             raise ValueError(f"KVCacheGroupSpec.sliding_window={w!r} must be None or an int >= 1")
         object.__setattr__(self, "layer_ids", tuple(int(i) for i in self.layer_ids))
 
