@@ -324,8 +324,8 @@ def run_beam_search(
 ) -> list[BeamSearchOutput]:
     """Runs a beam search per prompt on the engine; returns one output per prompt, in order.
 
-    Prompts run in waves that keep W beams per prompt (plus one during forking)
-    within max_num_seqs.
+    Prompts run in rounds of (max_num_seqs - 1) // W prompts, so W beams per prompt
+    (plus one during forking) fit within max_num_seqs.
 
     Args:
         engine: an idle engine (other requests would be stepped too).
@@ -344,25 +344,23 @@ def run_beam_search(
     for i, p in enumerate(prompts):
         if len(p) >= max_len:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; must be < max_model_len={max_len}")
-    per_wave = max(1, (engine.config.max_num_seqs - 1) // params.beam_width)
+    per_round = max(1, (engine.config.max_num_seqs - 1) // params.beam_width)
     outputs: list[BeamSearchOutput | None] = [None] * len(prompts)
     # Each step's candidates decide the next step's forks: read every step's tokens in
     # the call that ran it (an async engine would run the parents one token ahead).
-    synchronous, engine._synchronous = engine._synchronous, True
-    try:
-        for start in range(0, len(prompts), per_wave):
-            wave = range(start, min(len(prompts), start + per_wave))
-            _run_wave(engine, prompts, wave, params, outputs, decode, forks, on_step)
-    finally:
-        engine._synchronous = synchronous
+    with engine.synchronous():
+        for start in range(0, len(prompts), per_round):
+            batch = range(start, min(len(prompts), start + per_round))
+            _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step)
     return outputs  # type: ignore[return-value]
 
 
-def _run_wave(engine, prompts, wave, params, outputs, decode, forks, on_step) -> None:
+def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step) -> None:
+    """Searches the prompts of one round (indices ``batch``) to the end."""
     max_len = engine.config.max_model_len
     uid = next(_search_ids)
     live: dict[int, _Live] = {}
-    for i in wave:
+    for i in batch:
         prompt = list(prompts[i])
         search = BeamSearch(
             len(prompt),
@@ -411,14 +409,14 @@ def _next_requests(engine, state, parents, new_beams, params, uid, i, forks) -> 
     for j, beam in enumerate(new_beams):
         children.setdefault(beam.parent, []).append(j)
     for b, rid in enumerate(parents):
-        if b not in children and rid in engine._states:
+        if b not in children and engine.is_live(rid):
             engine.abort_request(rid)
     out = [""] * len(new_beams)
     for b, js in children.items():
         parent = parents[b]
         for j in js:
             out[j] = _start_beam(engine, state, parent, j, new_beams[j], params, uid, i, forks)
-        if parent in engine._states:
+        if engine.is_live(parent):
             engine.abort_request(parent)
     return out
 
@@ -435,7 +433,7 @@ def _start_beam(engine, state, parent, j, beam, params, uid, i, forks) -> str:
     """The engine request of one new running beam."""
     rid = f"beam{uid}-{i}-{state.step}-{j}"
     tokens = state.prompt + beam.tokens
-    req = engine.scheduler.requests.get(parent)
+    req = engine.get_request(parent)
     if forks and req is not None and req.status == RequestStatus.RUNNING:
         outputs = tokens[req.num_prompt_tokens :]
         engine.fork_request(parent, rid, output_token_ids=outputs)

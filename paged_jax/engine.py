@@ -1,16 +1,22 @@
 """Engine: requests in, finished outputs out; one scheduler step + one device step per call.
 
-add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.execute
+add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.dispatch
             -> Scheduler.update_from_output -> finished EngineOutputs
+
+The engine also owns forks: ``fork_request`` starts a child on its parent's KV blocks,
+and a request with ``SamplingParams.n > 1`` is a parent whose samples it forks after
+one prefill (``paged_jax.parallel_sampling``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,17 +25,15 @@ from paged_jax.config import EngineConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
-from paged_jax.engine_forks import fork_request
-from paged_jax.engine_state import (
-    EngineOutput,
-    InFlightStep,
-    _ReqState,
-    model_kv_cache_groups,
-)
-from paged_jax.model_api import check_paged_model
+from paged_jax.core.scheduler_output import SchedulerOutput
+from paged_jax.model_api import check_paged_model, model_kv_cache_groups
+from paged_jax.outputs import EngineOutput
+from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.runner import Runner, num_backend_compiles
+from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
+
+__all__ = ["HOST_PHASES", "Engine", "EngineOutput", "InFlightStep"]
 
 _req_id_of = operator.attrgetter("req_id")
 _samples_of = operator.attrgetter("samples")
@@ -41,6 +45,81 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ERROR: "error",
 }
 
+# The parts of a step() call's host time that get_stats()["host_phase_time_ms"] reports.
+HOST_PHASES = ("schedule", "prepare", "dispatch", "process_outputs")
+
+
+@dataclasses.dataclass
+class InFlightStep:
+    """A dispatched device step and what reading its tokens needs.
+
+    requests holds the Request objects scheduled (by position in out.scheduled), so a
+    token is dropped when its request ended, even if a new request reuses the id.
+    """
+
+    out: SchedulerOutput
+    requests: list[Request]
+    pending: PendingStep
+
+    @classmethod
+    def launch(
+        cls, out: SchedulerOutput, live: dict[str, Request], pending: PendingStep
+    ) -> InFlightStep:
+        requests = out.scheduled_requests
+        if len(requests) != len(out.scheduled):  # an output built by hand
+            requests = [live[seq.req_id] for seq in out.scheduled]
+        return cls(out, requests, pending)
+
+
+@dataclasses.dataclass
+class _ReqState:
+    """The engine's side of one live request: sampling settings and what it returns."""
+
+    params: SamplingParams
+    seed: int
+    logprobs: list[dict[int, float]] | None
+    first_token_time: float | None = None
+    stop_reason: str | int | None = None
+
+
+class _StepTimes:
+    """Host timings of the step() calls since the last reset, one value per call.
+
+    ``wall`` and ``host`` (wall less the wait for device tokens) are perf_counter
+    seconds; the phases are in the engine's ``phase_clock`` seconds. Arrays of doubles
+    keep a long run's record compact.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.wall = array("d")
+        self.host = array("d")
+        self.phases = {name: array("d") for name in HOST_PHASES}
+
+    def record(self, wall: float, wait: float, *phases: float) -> None:
+        self.wall.append(wall)
+        self.host.append(wall - wait)
+        for name, seconds in zip(HOST_PHASES, phases):
+            self.phases[name].append(seconds)
+
+    def summary(self) -> dict[str, Any]:
+        """Medians per step (ms), the host time's minimum and total (ms)."""
+
+        def median_ms(values: array) -> float:
+            return 1e3 * statistics.median(values) if values else 0.0
+
+        host = self.host
+        return {
+            "step_time_ms": median_ms(self.wall),
+            # Host work per step call: the call's wall time less the wait for device tokens.
+            "host_time_ms": median_ms(host),
+            "host_time_min_ms": 1e3 * min(host) if host else 0.0,
+            "host_time_total_ms": 1e3 * sum(host),
+            "host_phase_time_ms": {name: median_ms(v) for name, v in self.phases.items()},
+        }
+
 
 class Engine:
     """Continuous-batching engine over one model.
@@ -50,6 +129,12 @@ class Engine:
             model does; see docs/research_integration.md for your own).
         config: engine settings; max_model_len None takes the model's.
         detokenize: optional token ids -> text function, needed for stop strings.
+
+    Attributes:
+        phase_clock: the clock (seconds) the host phases of ``get_stats()
+            ["host_phase_time_ms"]`` are timed with; ``time.perf_counter`` (wall) by
+            default. A benchmark on a shared machine sets ``time.thread_time`` to count
+            only the engine thread's CPU time.
     """
 
     def __init__(
@@ -75,6 +160,7 @@ class Engine:
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
         self.detokenize = detokenize
+        self.phase_clock: Callable[[], float] = time.perf_counter
         groups = model_kv_cache_groups(model)
         self.runner = Runner(model, config)
         self.kv_cache_manager = KVCacheManager(
@@ -98,10 +184,14 @@ class Engine:
         self._awaiting_first_token: set[str] = set()
         self._stop_string_ids: set[str] = set()
         self._num_logprobs_live = 0
-        self._step_times: list[float] = []
-        self._host_times: list[float] = []
+        # Parallel sampling: live parents by id; every id a parent uses (its carrier and
+        # samples) -> the parent; carriers whose samples are not forked yet.
+        self._parents: dict[str, ParallelSampleRequest] = {}
+        self._parent_of: dict[str, ParallelSampleRequest] = {}
+        self._prefilling: dict[str, ParallelSampleRequest] = {}
+        self._times = _StepTimes()
         self._in_flight: InFlightStep | None = None
-        self._synchronous = False  # set by beam search: read every step's tokens at once
+        self._synchronous = False
         self._num_steps = 0
         self._usage_peak = 0.0
         self._num_cached_tokens: dict[str, int] = {}
@@ -119,11 +209,18 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Validates and queues one request; raises ValueError (and adds nothing) on bad input."""
+        """Validates and queues one request; raises ValueError (and adds nothing) on bad input.
+
+        With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its
+        prompt is prefilled once, its n samples (ids ``f"{request_id}_{j}"``) are forked
+        from that prefill inside ``step()``, and it finishes as one EngineOutput whose
+        ``samples`` hold theirs in index order. Sample j has seed ``(seed + j) % 2**32``
+        when ``seed`` is set.
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
-        if request_id in self._states:
+        if self._id_taken(request_id):
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
         req = Request(
             request_id,
@@ -153,8 +250,119 @@ class Engine:
                 f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "
                 f"pool has {self.kv_cache_manager.num_usable_blocks}: raise num_kv_blocks"
             )
+        if params.n > 1:
+            self._add_parent(req)
+            return
         self._register(request_id, params)
         self.scheduler.add_request(req)
+
+    def fork_request(
+        self,
+        parent_id: str,
+        child_id: str,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        output_token_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+    ) -> None:
+        """Starts ``child_id`` as a running request sharing ``parent_id``'s KV blocks.
+
+        Call between steps. The child joins the batch at the next step with the
+        tokens it shares with the parent already computed; the first write into a
+        block the two still share is copied on write inside that step. The child's
+        tokens are the parent's prompt and outputs unless given; the shared tokens
+        (at most the parent's computed ones, and only a common prefix) are not
+        recomputed. A different prompt (for example the full prompt when the parent
+        prefilled all but its last token) makes the child a new request whose
+        outputs start empty.
+
+        Args:
+            parent_id: a running request.
+            child_id: a new, unique request id.
+            prompt_token_ids: the child's prompt; default the parent's.
+            output_token_ids: the child's outputs so far; default the parent's (or none
+                with a new prompt).
+            sampling_params: the child's; default the parent's.
+
+        Raises:
+            ValueError: an unknown or not-running parent, a taken child id, token ids
+                outside the vocabulary, a full batch (max_num_seqs), or a child that
+                shares no computed token with the parent.
+        """
+        parent = self.scheduler.requests.get(parent_id)
+        if parent is None:
+            raise ValueError(f"parent_id={parent_id!r} must name a live request")
+        if self._id_taken(child_id):
+            raise ValueError(f"child_id={child_id!r} must be unique among live requests")
+        self._fork(parent, child_id, prompt_token_ids, output_token_ids, sampling_params)
+
+    def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
+        """The live request's logprobs so far (one dict per sampled token), or None."""
+        if request_id not in self._states:
+            raise ValueError(f"request_id={request_id!r} must name a live request")
+        return self._states[request_id].logprobs
+
+    def abort_request(self, request_id: str) -> EngineOutput:
+        """Ends a live request now; its blocks go back to the pool.
+
+        A parallel-sampling parent's carrier and unfinished samples are aborted with
+        it; its output keeps the samples that had finished. Its samples cannot be
+        aborted one by one.
+        """
+        if self._parents:
+            parent = self._parents.get(request_id)
+            if parent is not None:
+                return self._abort_parent(parent)
+            owner = self._parent_of.get(request_id)
+            if owner is not None:
+                raise ValueError(
+                    f"request_id={request_id!r} must name a live request, not a part of the "
+                    f"parallel-sampling request {owner.request_id!r} (abort that one)"
+                )
+        if request_id not in self._states:
+            raise ValueError(f"request_id={request_id!r} must name a live request")
+        return self._abort(request_id)
+
+    def is_live(self, request_id: str) -> bool:
+        """True while ``request_id`` names a request that has not finished.
+
+        A parallel-sampling parent is live until its last sample finishes.
+        """
+        return request_id in self._states or request_id in self._parents
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The scheduler's Request of a live request (status, tokens), or None.
+
+        Read it, never change it: the scheduler owns its state.
+        """
+        return self.scheduler.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is waiting, running or swapped out."""
+        return self.scheduler.has_unfinished()
+
+    @contextlib.contextmanager
+    def synchronous(self) -> Iterator[None]:
+        """Within the block every step() reads its own tokens before it returns.
+
+        For callers whose next requests depend on this step's tokens (beam search
+        forks from each step's candidates): with async scheduling a parent would run
+        one token ahead of the forks. Enter it on an idle engine.
+        """
+        previous, self._synchronous = self._synchronous, True
+        try:
+            yield
+        finally:
+            self._synchronous = previous
+
+    # ------------------------------------------------------------ request state
+    def _id_taken(self, request_id: str) -> bool:
+        """True when a live request (or a live parent, for one of its ids) holds the id."""
+        if request_id in self._states:
+            return True
+        return bool(self._parents) and (
+            request_id in self._parents or request_id in self._parent_of
+        )
 
     def _register(self, request_id: str, params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
@@ -176,45 +384,174 @@ class Engine:
             self._num_logprobs_live -= 1
         return st
 
-    def fork_request(
+    def _fork(
         self,
-        parent_id: str,
+        parent: Request,
         child_id: str,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        output_token_ids: Sequence[int] | None = None,
-        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: Sequence[int] | None,
+        output_token_ids: Sequence[int] | None,
+        sampling_params: SamplingParams | None,
     ) -> None:
-        """Starts a running child that shares the parent's KV blocks (copy-on-write).
+        """fork_request once the parent is found and the child id is known to be free."""
+        params = sampling_params if sampling_params is not None else parent.sampling_params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
+        if prompt_token_ids is None:
+            child = parent.fork(child_id, output_token_ids, sampling_params=params)
+        else:
+            child = Request(
+                child_id,
+                prompt_token_ids,
+                params,
+                cache_salt=parent.cache_salt,
+                priority=parent.priority,
+                arrival_time=parent.arrival_time,
+            )
+            if output_token_ids:
+                child.append_output_token_ids(list(output_token_ids))
+        bad = [t for t in child.all_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token id {bad[0]!r} of child {child_id!r} must be < vocab_size={self.vocab_size}"
+            )
+        if child.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"child {child_id!r} has {child.num_tokens} tokens; must be <= max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        common = 0
+        limit = min(parent.num_computed_tokens, child.num_tokens - 1)
+        mine, theirs = parent.all_token_ids, child.all_token_ids
+        if prompt_token_ids is None:
+            common = parent.num_prompt_tokens  # same prompt: compare the outputs only
+        while common < limit and mine[common] == theirs[common]:
+            common += 1
+        common = min(common, limit)
+        if common <= 0:
+            raise ValueError(
+                f"child {child_id!r} must share at least one computed token with "
+                f"{parent.request_id!r}"
+            )
+        self._register(child_id, params)
+        try:
+            self.scheduler.fork_request(parent.request_id, child, num_tokens=common)
+        except ValueError:
+            self._unregister(child_id)
+            raise
 
-        Call between steps. See ``paged_jax.engine_forks.fork_request``.
-        """
-        fork_request(
-            self,
-            parent_id,
-            child_id,
-            prompt_token_ids=prompt_token_ids,
-            output_token_ids=output_token_ids,
-            sampling_params=sampling_params,
-        )
-
-    def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
-        """The live request's logprobs so far (one dict per sampled token), or None."""
-        if request_id not in self._states:
-            raise ValueError(f"request_id={request_id!r} must name a live request")
-        return self._states[request_id].logprobs
-
-    def abort_request(self, request_id: str) -> EngineOutput:
-        """Ends a live request now; its blocks go back to the pool."""
-        if request_id not in self._states:
-            raise ValueError(f"request_id={request_id!r} must name a live request")
+    def _abort(self, request_id: str) -> EngineOutput:
         req = self.scheduler.requests[request_id]
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self._finish(req)
 
-    def has_unfinished(self) -> bool:
-        """True while any request is waiting, running or swapped out."""
-        return self.scheduler.has_unfinished()
+    # ------------------------------------------------------------ parallel sampling
+    def _add_parent(self, req: Request) -> None:
+        """Queues an n > 1 request (validated as ``req``): its carrier, or its samples."""
+        parent = ParallelSampleRequest(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        for rid in parent.request_ids:
+            if self._id_taken(rid):
+                raise ValueError(
+                    f"request_id={req.request_id!r} must leave {rid!r} free for its "
+                    "samples; a live request holds it"
+                )
+        self._parents[parent.request_id] = parent
+        for rid in parent.request_ids:
+            self._parent_of[rid] = parent
+        if parent.carrier_id is None:  # a one-token prompt has nothing to prefill first
+            for sample_id, params in parent.samples:
+                self._add_part(parent, sample_id, parent.prompt_token_ids, params, req.arrival_time)
+        else:
+            self._add_part(
+                parent, parent.carrier_id, parent.carrier_prompt, CARRIER_PARAMS, req.arrival_time
+            )
+            self._prefilling[parent.carrier_id] = parent
+
+    def _add_part(
+        self,
+        parent: ParallelSampleRequest,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+    ) -> None:
+        """Queues a parent's carrier or one of its samples as a plain request."""
+        self._register(request_id, params)
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                cache_salt=parent.cache_salt,
+                priority=parent.priority,
+                arrival_time=arrival_time,
+            )
+        )
+
+    def _fork_prefilled_samples(self) -> None:
+        """Forks the samples of every parent whose carrier's first token was just read.
+
+        A carrier that is not running (still queued, preempted, or ended) or a fork the
+        batch has no room for falls back to plain requests of the whole prompt, which
+        still find the prompt's full blocks in the prefix cache.
+        """
+        for carrier_id, parent in list(self._prefilling.items()):
+            req = self.scheduler.requests.get(carrier_id)
+            alive = req is not None and req.status == RequestStatus.RUNNING
+            if alive and req.num_output_tokens < 1:
+                continue  # still prefilling
+            for sample_id, params in parent.samples:
+                try:
+                    if not alive:
+                        raise ValueError("the carrier is not running")
+                    self._fork(req, sample_id, parent.prompt_token_ids, None, params)
+                except ValueError:
+                    # A fallback sample arrives now: it joins the queue behind what came since.
+                    self._add_part(parent, sample_id, parent.prompt_token_ids, params, None)
+            if carrier_id in self._states:
+                self._abort(carrier_id)  # its output is the parent's business: dropped
+            del self._prefilling[carrier_id]
+
+    def _gather_samples(self, finished: list[EngineOutput]) -> list[EngineOutput]:
+        """Keeps finished samples in their parents; a parent's output replaces its last one.
+
+        A carrier's own output (it ended before its samples were forked) is dropped:
+        ``_fork_prefilled_samples`` then queued the samples as plain requests.
+        """
+        out = []
+        for o in finished:
+            parent = self._parent_of.get(o.request_id)
+            if parent is None:
+                out.append(o)
+            elif o.request_id != parent.carrier_id:
+                parent.record(o)
+                if parent.done:
+                    out.append(self._release_parent(parent))
+        return out
+
+    def _abort_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
+        carrier_id = parent.carrier_id
+        if carrier_id is not None:
+            self._prefilling.pop(carrier_id, None)
+            if carrier_id in self._states:
+                self._abort(carrier_id)
+        for sample_id in parent.unfinished_sample_ids():
+            if sample_id in self._states:
+                parent.record(self._abort(sample_id))
+        return self._release_parent(parent)
+
+    def _release_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
+        """Forgets a parent whose samples all ended; returns its output."""
+        del self._parents[parent.request_id]
+        for rid in parent.request_ids:
+            del self._parent_of[rid]
+        return parent.output(time.time())
 
     # ------------------------------------------------------------ step
     def step(self) -> list[EngineOutput]:
@@ -222,21 +559,31 @@ class Engine:
 
         With async_scheduling the step just scheduled is left running on device and
         the previous step's tokens are read instead (stops, outputs, hashing land one
-        call later); otherwise the step's own tokens are read before returning.
+        call later); otherwise the step's own tokens are read before returning. Then
+        parallel-sampling parents whose prompt was just prefilled get their samples
+        forked, and a parent is returned once, when its last sample finishes.
         """
         t0 = time.perf_counter()
+        clock = self.phase_clock
         sched = self.scheduler
+        c0 = clock()
         out = sched.schedule()
+        schedule_s = clock() - c0
         # Requests the scheduler ended on its own (they can never fit) report their error.
         finished = [self._finish(req) for req in out.errored]
         self._apply_to_device_state(out)
         self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
         launched = None
+        prepare_s = dispatch_s = process_s = 0.0
         assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
         if out.scheduled:
             self._record_blocks_per_request(out)
+            c0 = clock()
             step = self.input_batch.prepare(out.scheduled, out.block_copies)
+            c1 = clock()
             pending = self.runner.dispatch(step, with_logprobs=self._num_logprobs_live > 0)
+            c2 = clock()
+            prepare_s, dispatch_s = c1 - c0, c2 - c1
             launched = InFlightStep.launch(out, sched.requests, pending)
             self._num_steps += 1
         ready = launched
@@ -247,11 +594,16 @@ class Engine:
             t_wait = time.perf_counter()
             result = ready.pending.result()
             wait_s = time.perf_counter() - t_wait
+            c0 = clock()
             finished += self._process_outputs(ready, result)
+            process_s = clock() - c0
+        if self._prefilling:
+            self._fork_prefilled_samples()
+        if self._parent_of:
+            finished = self._gather_samples(finished)
         step_s = time.perf_counter() - t0
         if launched is not None or ready is not None:
-            self._step_times.append(step_s)
-            self._host_times.append(step_s - wait_s)
+            self._times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
 
     def _process_outputs(self, step: InFlightStep, result) -> list[EngineOutput]:
@@ -454,10 +806,28 @@ class Engine:
         self._compiles_after_warmup = num_backend_compiles()
         return len(shapes)
 
+    def reset_peak_stats(self) -> None:
+        """Starts the peaks of get_stats() again from now (KV usage, blocks per request)."""
+        self._usage_peak = self.kv_cache_manager.usage
+        self._blocks_per_request_peak = 0
+        self._peak_dirty.update(self.scheduler.requests)  # measured at their next decode
+
+    def reset_step_times(self) -> None:
+        """Forgets the step timings, so get_stats()' times cover the steps from now on."""
+        self._times.reset()
+
     def get_stats(self) -> dict[str, Any]:
-        """Counters since construction: steps, preemptions, prefix-cache hits, KV usage
-        (now and peak, fractions of usable blocks), compiles (total and after warm-up),
-        median step time in ms, running and waiting requests."""
+        """Counters since construction and step times since the last reset_step_times().
+
+        Counters: steps, preemptions, prefix-cache hits, KV usage (now and peak,
+        fractions of usable blocks), compiles (total and after warm-up), running and
+        waiting requests. Times per step() call that ran or read a device step, in ms:
+        ``step_time_ms`` (median wall time), ``host_time_ms`` (median wall time less
+        the wait for device tokens), ``host_time_min_ms``, ``host_time_total_ms``, and
+        ``host_phase_time_ms``: the median of each of HOST_PHASES (scheduler,
+        input packing, the jitted call's dispatch, reading outputs) in
+        ``phase_clock`` time.
+        """
         stats = self.kv_cache_manager.prefix_cache_stats
         total = num_backend_compiles() - self._compiles_at_start
         after = (
@@ -478,9 +848,7 @@ class Engine:
             "num_kv_blocks": self.runner.num_kv_blocks,
             "num_compiles": total,
             "num_compiles_after_warmup": after,
-            "step_time_ms": 1e3 * statistics.median(self._step_times) if self._step_times else 0.0,
-            # Host work per step call: the call's wall time less the wait for device tokens.
-            "host_time_ms": 1e3 * statistics.median(self._host_times) if self._host_times else 0.0,
+            **self._times.summary(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "tensor_parallel_size": self.config.tensor_parallel_size,

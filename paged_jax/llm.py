@@ -19,10 +19,10 @@ from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_s
 from paged_jax.chat_template import ChatTemplate, check_messages
 from paged_jax.compile_cache import enable_compile_cache, resolve_compile_cache_dir
 from paged_jax.config import EngineConfig
-from paged_jax.engine import Engine, EngineOutput
+from paged_jax.constants import is_int
+from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
-from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from paged_jax.parallel_sampling import ForkedParallelSampling
+from paged_jax.outputs import CompletionOutput, EngineOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -135,7 +135,6 @@ class LLM:
             self.model, config, detokenize=None if self.tokenizer is None else self.decode
         )
         self.config = self.engine.config
-        self._parallel = ForkedParallelSampling(self.engine)
         self._ids = itertools.count()
         if warmup:
             self.engine.warmup()
@@ -177,18 +176,16 @@ class LLM:
         """
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
-        submitted: list[tuple[str, str | None, list[int], list[str]]] = []
+        submitted: list[tuple[str, str | None, list[int]]] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 submitted.append(self._submit(i, prompt, p))
         except ValueError:
-            for rid, *_, children in submitted:  # nothing ran yet: withdraw this call's requests
-                self._parallel.withdraw(rid)
-                for cid in children:
-                    if cid in self.engine._states:
-                        self.engine.abort_request(cid)
+            for rid, *_ in submitted:  # nothing ran yet: withdraw this call's requests
+                if self.engine.is_live(rid):
+                    self.engine.abort_request(rid)
             raise
-        finished = self._run(sum(len(s[3]) for s in submitted), use_tqdm)
+        finished = self._run(sum(p.n for p in params), use_tqdm)
         return [self._collect(*s, finished, p) for s, p in zip(submitted, params)]
 
     def generate_iter(
@@ -206,32 +203,25 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
-        remaining: dict[int, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 sub = self._submit(i, prompt, p)
             except ValueError as err:
                 yield i, self._error_output(i, prompt, str(err))
                 continue
-            remaining[i] = len(sub[3])
-            for cid in sub[3]:
-                pending[cid] = (i, sub, p)
+            pending[sub[0]] = (i, sub, p)
         finished: dict[str, EngineOutput] = {}
         while self.engine.has_unfinished():
-            outs = self.engine.step()
-            self._parallel.after_step()
-            for out in outs:
+            for out in self.engine.step():
                 if out.request_id not in pending:
                     continue  # a request added outside this call
                 i, sub, p = pending.pop(out.request_id)
                 finished[out.request_id] = out
-                remaining[i] -= 1
-                if remaining[i] == 0:
-                    result = self._collect(*sub, finished, p)
-                    errors = [c.error for c in result.outputs if c.finish_reason == "error"]
-                    if errors and len(errors) == len(result.outputs):
-                        result.error = errors[0] or "request failed"
-                    yield i, result
+                result = self._collect(*sub, finished, p)
+                errors = [c.error for c in result.outputs if c.finish_reason == "error"]
+                if errors and len(errors) == len(result.outputs):
+                    result.error = errors[0] or "request failed"
+                yield i, result
 
     def chat(
         self,
@@ -320,28 +310,19 @@ class LLM:
             return prompt, ids
         return None, list(prompt)
 
-    def _submit(
-        self, i: int, prompt: Any, p: SamplingParams
-    ) -> tuple[str, str | None, list[int], list[str]]:
-        """Adds one prompt's n requests; on ValueError none of them stays in the engine."""
+    def _submit(self, i: int, prompt: Any, p: SamplingParams) -> tuple[str, str | None, list[int]]:
+        """Adds one prompt (n > 1: one parent request, see Engine.add_request); on
+        ValueError nothing of it stays in the engine."""
         try:
             text, ids = self._prompt_ids(prompt)
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
         rid = str(next(self._ids))
-        children: list[tuple[str, SamplingParams]] = []
-        for j in range(p.n):
-            child = p
-            if p.n > 1:
-                # Children differ by seed; they fork after one prefill of the prompt.
-                seed = None if p.seed is None else (p.seed + j) % 2**32
-                child = dataclasses.replace(p, n=1, seed=seed)
-            children.append((rid if p.n == 1 else f"{rid}_{j}", child))
         try:
-            self._parallel.submit(rid, ids, children)
-        except ValueError as e:  # submit leaves nothing of this prompt in the engine
+            self.engine.add_request(rid, ids, p)
+        except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
-        return rid, text, ids, [cid for cid, _ in children]
+        return rid, text, ids
 
     def _error_output(self, i: int, prompt: Any, error: str) -> RequestOutput:
         now = time.time()
@@ -388,15 +369,14 @@ class LLM:
             bar = tqdm(total=num_requests, desc="requests", unit="req", dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
         while self.engine.has_unfinished():
-            outs = self.engine.step()
-            self._parallel.after_step()
-            for out in outs:
+            for out in self.engine.step():
                 finished[out.request_id] = out
-                num_out += len(out.token_ids)
+                completions = out.completions
+                num_out += sum(len(o.token_ids) for o in completions)
                 if bar is not None:
                     rate = num_out / max(time.perf_counter() - start, 1e-9)
                     bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=False)
-                    bar.update(1)
+                    bar.update(len(completions))
         if bar is not None:
             # The last rate shown is the run's own total, as a summary would compute it.
             rate = num_out / max(time.perf_counter() - start, 1e-9)
@@ -409,13 +389,15 @@ class LLM:
         rid: str,
         text: str | None,
         ids: list[int],
-        children: list[str],
         finished: dict[str, EngineOutput],
         params: SamplingParams,
     ) -> RequestOutput:
-        outs = [finished.pop(cid) for cid in children]
+        outs = finished.pop(rid).completions
         firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
-        completions = [self._completion(j, o, params) for j, o in enumerate(outs)]
+        completions = [
+            CompletionOutput.from_engine_output(j, o, params, self.decode)
+            for j, o in enumerate(outs)
+        ]
         return RequestOutput(
             request_id=rid,
             prompt=text,
@@ -431,29 +413,6 @@ class LLM:
             ),
         )
 
-    def _completion(
-        self, index: int, out: EngineOutput, params: SamplingParams
-    ) -> CompletionOutput:
-        """vLLM's text rules: a stop string is cut off, and so is the text of the stop
-        token or EOS that ended the output; include_stop_str_in_output keeps both."""
-        ids = list(out.token_ids)
-        keep_stop = params.include_stop_str_in_output
-        by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        text_ids = ids[:-1] if by_token and ids and not keep_stop else ids
-        text = self.decode(text_ids, skip_special_tokens=params.skip_special_tokens)
-        if isinstance(out.stop_reason, str) and out.stop_reason in text:
-            end = text.find(out.stop_reason)
-            text = text[: end + len(out.stop_reason)] if keep_stop else text[:end]
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=ids,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            logprobs=out.logprobs,
-            error=out.error,
-        )
-
     # ------------------------------------------------------------------ inputs
     @staticmethod
     def _as_prompt_list(prompts) -> list[str | list[int]]:
@@ -461,7 +420,7 @@ class LLM:
             return [prompts]
         if not isinstance(prompts, Sequence) or len(prompts) == 0:
             raise ValueError(f"prompts={prompts!r} must be a non-empty string or list of prompts")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        if all(map(is_int, prompts)):
             return [list(prompts)]
         out = []
         for i, p in enumerate(prompts):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
+
 # (k_cache, v_cache) of one layer, each f[num_blocks, num_kv_heads, block_size, head_dim]
 # (the kernels' layout: pallas_kernels.init_kv_cache).
 KVCache = tuple[Any, Any]
@@ -54,8 +56,9 @@ class PagedModel(Protocol):
     Optional: ``kv_cache_groups() -> tuple[paged_jax.core.kv_cache_spec.KVCacheGroupSpec,
     ...]`` declares one KV-cache group per attention type (full, sliding window W). The
     engine then keeps one block table per group, frees out-of-window blocks, and passes
-    groups 1.. in ``attn_metadata.extra_slot_mappings`` / ``extra_block_tables``. Without
-    it the engine uses one full-attention group (windows, if any, keep every block).
+    every group's slot mapping and table in ``attn_metadata`` (a layer of group g reads
+    ``attn_metadata.for_group(g)``). Without it the engine uses one full-attention group,
+    ``for_group(0)`` (windows, if any, keep every block).
     """
 
     config: PagedModelConfig
@@ -94,8 +97,9 @@ class PagedModel(Protocol):
             token_ids: i32[T] new tokens of all sequences, back to back, padded.
             positions: i32[T] position of each token in its sequence.
             kv_caches: the caches from ``init_kv_caches`` (donated by the engine).
-            attn_metadata: slot_mapping i32[T] (-1 = drop), block_tables i32[S, W]
-                (0 = null block), seq_lens i32[S], query_start_loc i32[S+1],
+            attn_metadata: per KV-cache group slot_mappings i32[T] (-1 = drop) and
+                block_tables i32[S, W] (0 = null block), as tuples; ``for_group(g)``
+                gives one group's pair. Then seq_lens i32[S], query_start_loc i32[S+1],
                 logits_indices i32[S].
             attention_backend: "reference" | "pallas" | "pallas_interpret" | None
                 (the model's default); static under jit.
@@ -130,3 +134,16 @@ def check_paged_model(model: Any, *, name: str = "model") -> None:
                 f"{name}.config={type(config).__name__} must implement PagedModelConfig: "
                 f"missing field {field!r} (see paged_jax.PagedModel)"
             )
+
+
+def model_kv_cache_groups(model: PagedModel) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's KV-cache groups, or one full-attention group over all its layers.
+
+    A model declares groups (full attention, sliding windows) with the optional
+    ``kv_cache_groups()`` method; without one its window layers (if any) still attend
+    through their window but keep every block.
+    """
+    method = getattr(model, "kv_cache_groups", None)
+    if callable(method):
+        return tuple(method())
+    return (KVCacheGroupSpec(None, tuple(range(int(model.config.num_hidden_layers)))),)

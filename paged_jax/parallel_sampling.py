@@ -1,97 +1,137 @@
-"""Parallel sampling (SamplingParams.n > 1) with forks: one prefill, n children.
+"""Parallel sampling (SamplingParams.n > 1): a parent request whose n samples share one prefill.
 
-The prompt minus its last token is prefilled once by a carrier request. Right after
-that step the n children are forked from it (sharing every block, the partial last
-one included) and the carrier is aborted; each child then computes the last prompt
-token as a one-token decode row and samples its own first token with its own seed.
-Its write into the shared partial block is copied on write (n - 1 copies; the last
-child writes in place). Without forks each child would prefill the whole prompt,
-finding only its full blocks in the prefix cache. Nothing here imports jax.
+The Engine prefills the prompt minus its last token once, as a carrier request. Right
+after the step that reads the carrier's first token it forks the n samples from it
+(sharing every block, the partial last one included) and aborts the carrier; each
+sample then computes the last prompt token as a one-token decode row and samples its
+own first token with its own seed. Its write into the shared partial block is copied
+on write (n - 1 copies; the last sample writes in place). Without forks each sample
+would prefill the whole prompt and find only its full blocks in the prefix cache.
+
+    add_request(p, prompt, n=3)   carrier "p__prefill": prompt[:-1], greedy
+    step() ... carrier's first token read -> fork "p_0", "p_1", "p_2"; abort the carrier
+    step() ... "p_0" .. "p_2" finish -> one EngineOutput "p" with samples [p_0, p_1, p_2]
+
+This module keeps one parent's bookkeeping (ids, per-sample settings, finished
+samples, the merged output); the Engine runs the requests. Pure Python; never imports jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-from paged_jax.core.request import RequestStatus
+from paged_jax.outputs import EngineOutput
 from paged_jax.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from paged_jax.engine import Engine
-
 CARRIER_SUFFIX = "__prefill"
+# The carrier's sampled token is discarded (greedy is enough); ignore_eos and a second
+# token keep it running until the samples are forked from it.
+CARRIER_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+# When samples end differently, the parent reports the first of these any sample has.
+_REASON_ORDER = ("stop", "length", "abort")
 
 
-class ForkedParallelSampling:
-    """Submits n-way requests through carriers and forks the children after the prefill.
+def sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Settings of sample ``index``: n=1, and seed (seed + index) % 2**32 when seeded."""
+    seed = None if params.seed is None else (params.seed + index) % 2**32
+    return dataclasses.replace(params, n=1, seed=seed)
 
-    Call ``after_step()`` after every ``engine.step()``.
+
+class ParallelSampleRequest:
+    """One n > 1 request: its samples' ids and settings, its carrier, its finished samples.
 
     Args:
-        engine: the engine the requests run on.
+        request_id: the parent's id.
+        prompt_token_ids: the prompt (validated by the engine).
+        params: the parent's settings (n > 1).
+        arrival_time: the parent's arrival (wall-clock seconds).
+        priority: the parent's scheduling priority, passed on to its requests.
+        cache_salt: the parent's prefix-cache salt, passed on to its requests.
+
+    Attributes:
+        samples: (request id, settings) of each sample in index order; sample j is
+            ``f"{request_id}_{j}"``.
+        carrier_id: the request prefilling all but the last prompt token, None when
+            the prompt has one token (its samples are plain requests from the start).
     """
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        # carrier id -> (prompt, [(child id, child params)])
-        self.pending: dict[str, tuple[list[int], list[tuple[str, SamplingParams]]]] = {}
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        arrival_time: float,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
+        assert params.n > 1, "an n == 1 request is a plain request, never a parent"
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.samples = [(f"{request_id}_{j}", sample_params(params, j)) for j in range(params.n)]
+        self.carrier_id = request_id + CARRIER_SUFFIX if len(self.prompt_token_ids) >= 2 else None
+        self._outputs: dict[str, EngineOutput] = {}
 
-    def submit(
-        self, request_id: str, prompt: list[int], children: list[tuple[str, SamplingParams]]
-    ) -> list[str]:
-        """Queues the children of one prompt; returns the engine ids it added (for withdrawal).
+    @property
+    def carrier_prompt(self) -> list[int]:
+        """What the carrier prefills: every prompt token but the last."""
+        return self.prompt_token_ids[:-1]
 
-        Raises:
-            ValueError: the engine refused the prompt (nothing of it stays queued).
-        """
-        if len(prompt) < 2 or len(children) < 2:
-            added = []
-            try:
-                for child_id, params in children:
-                    self.engine.add_request(child_id, prompt, params)
-                    added.append(child_id)
-            except ValueError:
-                for cid in added:
-                    self.engine.abort_request(cid)
-                raise
-            return added
-        carrier = request_id + CARRIER_SUFFIX
-        # Validate the real prompt first, so errors name its length, not the carrier's
-        # (a fixed seed: the probe must not draw from the engine's seed stream).
-        probe = dataclasses.replace(children[0][1], seed=0)
-        self.engine.add_request(children[0][0], prompt, probe)
-        self.engine.abort_request(children[0][0])
-        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        self.engine.add_request(carrier, prompt[:-1], params)
-        self.pending[carrier] = (prompt, children)
-        return [carrier]
+    @property
+    def request_ids(self) -> list[str]:
+        """Every engine request id this parent uses: its carrier (if any), then its samples."""
+        carrier = [] if self.carrier_id is None else [self.carrier_id]
+        return carrier + [sample_id for sample_id, _ in self.samples]
 
-    def withdraw(self, request_id: str) -> None:
-        """Aborts a prompt's prefill request (if it has one) before it ran; forgets it."""
-        carrier = request_id + CARRIER_SUFFIX
-        if self.pending.pop(carrier, None) is not None and carrier in self.engine._states:
-            self.engine.abort_request(carrier)
+    @property
+    def done(self) -> bool:
+        """True once every sample has finished."""
+        return len(self._outputs) == len(self.samples)
 
-    def after_step(self) -> None:
-        """Forks the children of every carrier whose prefill just finished."""
-        engine = self.engine
-        for carrier, (prompt, children) in list(self.pending.items()):
-            req = engine.scheduler.requests.get(carrier)
-            alive = req is not None and req.status == RequestStatus.RUNNING
-            if alive and req.num_output_tokens < 1:
-                continue  # still prefilling
-            for child_id, params in children:
-                try:
-                    if not alive:
-                        raise ValueError("the carrier ended before its prefill")
-                    engine.fork_request(
-                        carrier, child_id, prompt_token_ids=prompt, sampling_params=params
-                    )
-                except ValueError:
-                    # Batch full (or the carrier failed): a plain request, which still
-                    # finds the prompt's full blocks in the prefix cache.
-                    engine.add_request(child_id, prompt, params)
-            if carrier in engine._states:
-                engine.abort_request(carrier)
-            del self.pending[carrier]
+    def record(self, out: EngineOutput) -> None:
+        """Keeps one finished sample's output."""
+        assert out.request_id not in self._outputs, f"sample {out.request_id!r} finished twice"
+        self._outputs[out.request_id] = out
+
+    def unfinished_sample_ids(self) -> list[str]:
+        """Samples without an output yet, in index order (live or not yet forked)."""
+        return [sid for sid, _ in self.samples if sid not in self._outputs]
+
+    def output(self, finish_time: float) -> EngineOutput:
+        """The parent's EngineOutput; a sample that never started counts as aborted."""
+        outs = [
+            self._outputs.get(sid)
+            or EngineOutput(
+                request_id=sid,
+                prompt_token_ids=list(self.prompt_token_ids),
+                token_ids=[],
+                finish_reason="abort",
+                arrival_time=self.arrival_time,
+                finish_time=finish_time,
+            )
+            for sid, _ in self.samples
+        ]
+        reasons = {o.finish_reason for o in outs}
+        if len(reasons) == 1:
+            reason = reasons.pop()
+        else:
+            reason = next(r for r in _REASON_ORDER if r in reasons)
+        firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
+        return EngineOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=[],
+            finish_reason=reason,
+            error=outs[0].error if reason == "error" else None,
+            arrival_time=self.arrival_time,
+            first_token_time=min(firsts) if firsts else None,
+            finish_time=finish_time,
+            num_cached_tokens=max(o.num_cached_tokens for o in outs),
+            num_preemptions=sum(o.num_preemptions for o in outs),
+            samples=outs,
+        )

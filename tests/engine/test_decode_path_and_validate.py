@@ -77,8 +77,8 @@ def test_an_out_of_range_block_id_is_an_error_not_a_wrong_answer():
     engine = make_engine()
     engine.add_request("a", list(range(1, 10)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # the prefill: 9 tokens in blocks at columns 0..2 of the request's table
-    row = engine.input_batch.row_of["a"]
-    engine.input_batch.block_tables[row, 0] = 40  # the pool has blocks 0..31
+    # Table slot 0 of group 0 names block 40; the pool has blocks 0..31.
+    engine.input_batch.replace_block_ids("a", [(0, 0, 40)])
     with pytest.raises(
         checkify.JaxRuntimeError,
         match=r"block_tables\[0, 0\] = 40 is not a block id in \[0, 32\)",
@@ -94,7 +94,7 @@ def test_without_validate_the_same_corruption_passes_silently():
     engine.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=2))
     first = engine.step()
     assert first == [] or first[0].token_ids
-    engine.input_batch.block_tables[engine.input_batch.row_of["a"], 0] = 40
+    engine.input_batch.replace_block_ids("a", [(0, 0, 40)])
     outs = {}
     while engine.has_unfinished():
         outs.update({o.request_id: o.token_ids for o in engine.step()})

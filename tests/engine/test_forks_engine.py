@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax.config import EngineConfig, cdiv
+from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.engine import Engine
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
@@ -40,8 +41,8 @@ def record_copies(engine: Engine) -> list:
 
     def spy(seqs, block_copies=()):
         step = prepare(seqs, block_copies)
-        real = step.copy_dst >= 0
-        copies.extend(zip(step.copy_src[real].tolist(), step.copy_dst[real].tolist()))
+        real = step.copies.dst >= 0
+        copies.extend(zip(step.copies.src[real].tolist(), step.copies.dst[real].tolist()))
         return step
 
     engine.input_batch.prepare = spy
@@ -127,7 +128,7 @@ def test_fork_request_rejects_bad_children():
         engine.fork_request("p", "c")
     with pytest.raises(ValueError, match="max_num_seqs=2 requests are running"):
         engine.fork_request("p", "d")
-    assert "d" not in engine._states
+    assert not engine.is_live("d")
     run_all(engine)
 
 
