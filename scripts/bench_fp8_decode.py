@@ -22,6 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 import pallas_kernels as pk
 from pallas_kernels import reference
@@ -38,7 +39,7 @@ def _peak(kind: str) -> float | None:
 
 def make_inputs(batch: int, context: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = pl.cdiv(context, BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
     tables = tables.reshape(batch, per_seq).astype(np.int32)

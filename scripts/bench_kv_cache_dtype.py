@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+from paged_jax.constants import cdiv
+
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # (layers, kv heads, head_dim) from the models' config.json files.
@@ -48,7 +50,7 @@ def arithmetic(budget: int, block_size: int, max_len: int) -> dict:
                 "bytes_per_block": per_block,
                 "num_blocks": blocks,
                 "kv_tokens": (blocks - 1) * block_size,  # block 0 is the null block
-                "max_len_requests": (blocks - 1) // -(-max_len // block_size),
+                "max_len_requests": (blocks - 1) // cdiv(max_len, block_size),
             }
         out[name] = row
     return out

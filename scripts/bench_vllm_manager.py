@@ -47,6 +47,7 @@ for _path in (REPO, REPO / "scripts"):
 from bench_host import add_trace_args, make_trace  # noqa: E402
 
 from paged_jax import KVCacheManager, Request, RequestStatus  # noqa: E402
+from paged_jax.constants import cdiv  # noqa: E402
 
 SIDES = ("paged_jax", "vllm")
 
@@ -527,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trace = _trace(args, args.num_requests)
     longest = max(len(prompt) + out for prompt, out in trace)
-    if args.num_blocks < -(-longest // args.block_size) + 1:
+    if args.num_blocks < cdiv(longest, args.block_size) + 1:
         raise SystemExit(f"--num-blocks={args.num_blocks} is too small for the longest request")
 
     divergence = None
