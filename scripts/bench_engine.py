@@ -37,7 +37,7 @@ NAMES = {
 }
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF checkpoint dir (default: random Llama)")
     p.add_argument(
@@ -234,10 +234,13 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path) -> dict:
     finally:
         for worker in workers.values():
             worker.close()
-    return _report(args, spec, trace, workload, per_token, budget, runs, sweep, best_bs, workers)
+    return build_report(
+        args, spec, trace, workload, per_token, budget, runs, sweep, best_bs, workers
+    )
 
 
-def _report(args, spec, trace, workload, per_token, budget, runs, sweep, best_bs, workers):
+def build_report(args, spec, trace, workload, per_token, budget, runs, sweep, best_bs, workers):
+    """The JSON report of one benchmark: settings, per-system results, agreement, ratios."""
     reference = runs["paged-jax"][0]["outputs"]
     # A quantized (fp8) paged KV cache is not expected to match full-precision baselines
     # token for token: their agreement is reported, and only paged runs must agree.
@@ -340,7 +343,7 @@ def format_table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Builds (or loads) the model, runs the benchmark, prints the table, writes the JSON."""
-    args = _parse_args(argv)
+    args = parse_args(argv)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_engine_") as tmp:
         if args.model:

@@ -23,6 +23,7 @@ import sys
 import time
 
 from paged_jax import KVCacheManager, Request, RequestStatus
+from paged_jax.constants import cdiv
 
 
 def make_trace(
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     # A request that cannot fit the pool on its own would never finish (FCFS loops).
     longest = max(len(prompt) + out for prompt, out in trace)
-    min_blocks = -(-longest // args.block_size) + 1  # + the null block
+    min_blocks = cdiv(longest, args.block_size) + 1  # + the null block
     if args.num_blocks < min_blocks:
         raise SystemExit(
             f"--num-blocks={args.num_blocks} must be >= {min_blocks}: the longest request "
@@ -264,7 +265,7 @@ def run_engine_host(num_seqs: int, num_steps: int, *, async_scheduling: bool = T
     Every request decodes for the whole measured window, so each measured step
     schedules exactly num_seqs sequences. Host time is a step() call's wall time less
     its wait for device tokens; the parts (scheduler, input packing, the jitted call's
-    dispatch, reading outputs) are timed by wrapping the engine's own methods.
+    dispatch, reading outputs) are the engine's own per-phase times, in thread CPU time.
     """
     from paged_jax.config import EngineConfig
     from paged_jax.engine import Engine
@@ -278,7 +279,7 @@ def run_engine_host(num_seqs: int, num_steps: int, *, async_scheduling: bool = T
         model,
         EngineConfig(
             block_size=16,
-            num_kv_blocks=num_seqs * -(-max_len // 16) + 1,
+            num_kv_blocks=num_seqs * cdiv(max_len, 16) + 1,
             max_num_seqs=num_seqs,
             max_num_batched_tokens=max(num_seqs * prompt_len, 16),
             max_model_len=max_len,
@@ -292,45 +293,37 @@ def run_engine_host(num_seqs: int, num_steps: int, *, async_scheduling: bool = T
     # CPU time of this (the host) thread: on a shared, oversubscribed machine wall time
     # also counts the time the process waits for a core; thread CPU time does not.
     cpu = time.thread_time
-    parts: dict[str, list[float]] = collections.defaultdict(list)
-
-    def timed(name, fn):
-        def wrapper(*a, **k):
-            t = cpu()
-            r = fn(*a, **k)
-            parts[name].append(cpu() - t)
-            return r
-
-        return wrapper
-
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine.input_batch.prepare = timed("prepare", engine.input_batch.prepare)
-    engine.runner.dispatch = timed("dispatch", engine.runner.dispatch)
-    engine._process_outputs = timed("process_outputs", engine._process_outputs)
+    engine.phase_clock = cpu
     for _ in range(warm):  # prefill + first decodes; compiles happen here
         engine.step()
-    for v in parts.values():
-        v.clear()
-    engine._host_times.clear()
+    engine.reset_step_times()
     gc.collect()
     step_cpu = []
     for _ in range(num_steps):
         t = cpu()
         engine.step()
         step_cpu.append(cpu() - t)
-    wall = engine._host_times
+    stats = engine.get_stats()
 
-    def us(values: list[float]) -> float:
-        return round(1e6 * statistics.median(values), 1) if values else 0.0
+    def us(ms: float) -> float:
+        return round(1e3 * ms, 1)
 
     return {
         "num_seqs": num_seqs,
         "num_steps": num_steps,
         "async_scheduling": async_scheduling,
-        "host_cpu_us_per_step": {"median": us(step_cpu), "min": round(1e6 * min(step_cpu), 1)},
+        "host_cpu_us_per_step": {
+            "median": round(1e6 * statistics.median(step_cpu), 1),
+            "min": round(1e6 * min(step_cpu), 1),
+        },
         "host_cpu_us_per_seq": round(1e6 * statistics.median(step_cpu) / num_seqs, 3),
-        "host_wall_us_per_step": {"median": us(wall), "min": round(1e6 * min(wall), 1)},
-        "parts_cpu_us_per_step_median": {name: us(v) for name, v in parts.items()},
+        "host_wall_us_per_step": {
+            "median": us(stats["host_time_ms"]),
+            "min": us(stats["host_time_min_ms"]),
+        },
+        "parts_cpu_us_per_step_median": {
+            name: us(ms) for name, ms in stats["host_phase_time_ms"].items()
+        },
         "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
     }
 

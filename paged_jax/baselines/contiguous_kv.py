@@ -94,14 +94,14 @@ def _forward_dense_cache(
     bound: int,  # static: attention reads only cache columns [0, bound)
 ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:  # f32[batch, vocab], caches
     """The model's forward with each layer's attention reading/writing a dense slot cache."""
-    x = model._embed(token_ids, positions)
+    x = model.embed(token_ids, positions)
     write_rows = (rows if rows is not None else jnp.arange(token_ids.shape[0]))[:, None]
     new_caches = []
     for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
         attn = layer.attn
 
         def attend(h, attn=attn, k_cache=k_cache, v_cache=v_cache):
-            q, k, v = attn._qkv(h, positions)
+            q, k, v = attn.qkv(h, positions)
             k_cache = k_cache.at[write_rows, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[write_rows, positions].set(v.astype(v_cache.dtype), mode="drop")
             if rows is None:  # decode: the first `batch` rows
@@ -120,10 +120,10 @@ def _forward_dense_cache(
             out = attn.o_proj(out.reshape(*h.shape[:-1], attn.num_heads * attn.head_dim))
             return out, (k_cache, v_cache)
 
-        x, cache = layer._apply(x, attend)
+        x, cache = layer.apply(x, attend)
         new_caches.append(cache)
     last = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]
-    return model._logits(last), new_caches
+    return model.logits(last), new_caches
 
 
 class ContiguousKVRunner:
@@ -162,8 +162,9 @@ class ContiguousKVRunner:
             )
             return jnp.argmax(logits, axis=-1).astype(jnp.int32), kv_caches
 
-        self._prefill = jax.jit(prefill, donate_argnums=(1,))
-        self._decode = jax.jit(decode, donate_argnums=(1,), static_argnums=(4,))
+        # The jitted steps (prefill/decode below pad and call them); caches donated.
+        self.prefill_step = jax.jit(prefill, donate_argnums=(1,))
+        self.decode_step = jax.jit(decode, donate_argnums=(1,), static_argnums=(4,))
 
     @property
     def prefill_buckets(self) -> tuple[int, ...]:
@@ -182,7 +183,7 @@ class ContiguousKVRunner:
         tokens[0, :n] = prompt_token_ids
         positions = np.full((1, bucket), self.max_model_len, np.int32)  # padding: dropped
         positions[0, :n] = np.arange(n)
-        token, self.kv_caches = self._prefill(
+        token, self.kv_caches = self.prefill_step(
             self.weights, self.kv_caches, tokens, positions, np.int32(slot), np.int32(n - 1)
         )
         return int(token)
@@ -226,7 +227,7 @@ class ContiguousKVRunner:
         tok = np.zeros(rows, np.int32)
         pos = np.full(rows, self.max_model_len, np.int32)
         tok[:n], pos[:n] = token_ids, positions
-        tokens, self.kv_caches = self._decode(self.weights, self.kv_caches, tok, pos, bound)
+        tokens, self.kv_caches = self.decode_step(self.weights, self.kv_caches, tok, pos, bound)
         return np.asarray(jax.device_get(tokens))[:n]
 
     def warmup(self) -> int:
@@ -234,13 +235,13 @@ class ContiguousKVRunner:
         for rows in self.decode_row_buckets:
             for bound in self.decode_bounds:
                 idle = np.full(rows, self.max_model_len, np.int32)
-                _, self.kv_caches = self._decode(
+                _, self.kv_caches = self.decode_step(
                     self.weights, self.kv_caches, np.zeros(rows, np.int32), idle, bound
                 )
         for bucket in self.prefill_buckets:
             tokens = np.zeros((1, bucket), np.int32)
             positions = np.full((1, bucket), self.max_model_len, np.int32)  # all writes dropped
-            _, self.kv_caches = self._prefill(
+            _, self.kv_caches = self.prefill_step(
                 self.weights, self.kv_caches, tokens, positions, np.int32(0), np.int32(0)
             )
         jax.block_until_ready(self.kv_caches)

@@ -10,7 +10,6 @@ import torch (scripts/bench_engine.py runs each in its own process).
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -143,7 +142,7 @@ class PagedSystem:
         manager.reset_prefix_cache()
         self._counts[:] = [0, 0, 0]
         steps0, pre0 = engine.get_stats()["num_steps"], engine.scheduler.num_preemptions
-        host0 = len(engine._host_times)
+        engine.reset_step_times()  # the host times below cover this run's steps only
         step_cpu = 0.0
         start = time.perf_counter()
         for r in trace:
@@ -165,7 +164,6 @@ class PagedSystem:
             reserved += (manager.num_usable_blocks - manager.num_free_blocks) * self.block_size
         elapsed = time.perf_counter() - start
         stats = engine.get_stats()
-        host = engine._host_times[host0:]
         num_seqs = max(1, self._counts[0])
         return SystemResult(
             name="paged-jax",
@@ -193,8 +191,8 @@ class PagedSystem:
                 "num_scheduled_seqs": self._counts[0],
                 "num_computed_tokens": self._counts[1],
                 "num_padded_tokens": self._counts[2],
-                "host_wall_ms_per_step_median": 1e3 * statistics.median(host) if host else 0.0,
-                "host_wall_us_per_seq": 1e6 * sum(host) / num_seqs,
+                "host_wall_ms_per_step_median": stats["host_time_ms"],
+                "host_wall_us_per_seq": 1e3 * stats["host_time_total_ms"] / num_seqs,
                 "host_thread_cpu_us_per_seq": 1e6 * step_cpu / num_seqs,
                 "num_preemptions": engine.scheduler.num_preemptions - pre0,
                 "kv_cache_usage_peak": stats["kv_cache_usage_peak"],

@@ -53,14 +53,14 @@ def test_bench_engine_runs_every_system_repeated(tiny_hf_checkpoint, tmp_path, c
 
 def test_a_greedy_mismatch_is_counted():
     script = _load_script()
-    args = script._parse_args(["--repeats", "2"])
+    args = script.parse_args(["--repeats", "2"])
     summary = {"tokens_per_s": 10.0, "max_concurrent_seqs": 2, "kv_utilization": 0.5}
     good = {"summary": summary, "outputs": {"a": [1, 2], "b": [3]}}
     bad = {"summary": summary, "outputs": {"a": [1, 2], "b": [4]}}  # "b" differs
     runs = {"paged-jax": [good, good], "contiguous-max": [good, bad]}
     spec = {"workload": {}, "paged": {}}
     trace = script.make_trace(script.WorkloadConfig(num_requests=2))
-    report = script._report(args, spec, trace, None, 4, 64, runs, {}, None, {})
+    report = script.build_report(args, spec, trace, None, 4, 64, runs, {}, None, {})
     assert report["num_mismatched_outputs"] == 1
     assert report["greedy_output_agreement"]["contiguous-max"]["equal_per_run"] == [2, 1]
     assert report["ratios"]["throughput_paged_vs_contiguous-max"]["median"] == 1.0

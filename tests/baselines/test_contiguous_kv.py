@@ -84,13 +84,13 @@ def test_decode_reads_only_the_live_context(tiny_llama):
     assert runner.decode_bounds == (128, 256, 384, 512)
     assert runner.decode_row_buckets == (8, 16, 32, 64)
     seen = []
-    real = runner._decode
+    real = runner.decode_step
 
     def spy(weights, caches, tokens, positions, bound):
         seen.append((tokens.shape[0], bound))
         return real(weights, caches, tokens, positions, bound)
 
-    runner._decode = spy
+    runner.decode_step = spy
     engine.add_request(_req(0, 100, 40))  # positions 100 .. 138: bound 128, then 256
     while engine.has_unfinished():
         engine.step()
