@@ -57,7 +57,7 @@ class _Meter:
 
     def reset(self):
         self.computed = self.copies = self.steps = 0
-        self.engine._usage_peak = 0.0  # the engine samples usage after each step's allocations
+        self.engine.reset_peak_stats()  # the engine samples usage after each step's allocations
 
     def on_step(self, engine):
         pass
@@ -90,29 +90,24 @@ def _beam(engine, meter, prompts, params, forks: bool) -> tuple[dict, list]:
 
 
 def _parallel(engine, meter, prompts, n, max_tokens, forks: bool) -> dict:
-    from paged_jax.parallel_sampling import ForkedParallelSampling
     from paged_jax.sampling_params import SamplingParams
 
     engine.kv_cache_manager.reset_prefix_cache()
     meter.reset()
-    sampler = ForkedParallelSampling(engine)
     t0 = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        children = [
-            (f"par{i}_{j}", SamplingParams(temperature=1.0, seed=j, max_tokens=max_tokens))
-            for j in range(n)
-        ]
-        if forks:
-            sampler.submit(f"par{i}", prompt, children)
+        if forks:  # one request with n samples: sample j gets seed j
+            params = SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=max_tokens)
+            engine.add_request(f"par{i}", prompt, params)
         else:
-            for cid, params in children:
-                engine.add_request(cid, prompt, params)
+            for j in range(n):
+                params = SamplingParams(temperature=1.0, seed=j, max_tokens=max_tokens)
+                engine.add_request(f"par{i}_{j}", prompt, params)
     generated = 0
     while engine.has_unfinished():
         outs = engine.step()
-        sampler.after_step()
         meter.on_step(engine)
-        generated += sum(len(o.token_ids) for o in outs if not o.request_id.endswith("prefill"))
+        generated += sum(len(c.token_ids) for o in outs for c in o.completions)
     return meter.result(time.perf_counter() - t0, generated)
 
 

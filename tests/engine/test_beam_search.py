@@ -12,7 +12,8 @@ import pytest
 
 from paged_jax import BeamSearchParams
 from paged_jax.beam_search import run_beam_search
-from paged_jax.config import EngineConfig, cdiv
+from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.engine import Engine
 from paged_jax.models import load_model
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.engine import Engine
 from paged_jax.models import load_model
 from paged_jax.sampling_params import SamplingParams
@@ -33,7 +34,7 @@ def expected(llama_dir, prompts, hf_greedy):
     return [hf_greedy(llama_dir, p, MAX_NEW) for p in prompts]
 
 
-def run_engine(path, prompts, attention_backend="reference", waves=1, **kwargs) -> list[list[int]]:
+def run_engine(path, prompts, attention_backend="reference", rounds=1, **kwargs) -> list[list[int]]:
     model = load_model(path, attention_backend=attention_backend)
     # validate: every step range-checks block ids and slots on device (debug path).
     cfg = dict(
@@ -42,9 +43,9 @@ def run_engine(path, prompts, attention_backend="reference", waves=1, **kwargs) 
     cfg.update(kwargs)
     engine = Engine(model, EngineConfig(attention_backend=attention_backend, **cfg))
     outs = {}
-    per_wave = -(-len(prompts) // waves)
-    for w in range(waves):
-        for i in range(w * per_wave, min(len(prompts), (w + 1) * per_wave)):
+    per_round = cdiv(len(prompts), rounds)
+    for r in range(rounds):
+        for i in range(r * per_round, min(len(prompts), (r + 1) * per_round)):
             engine.add_request(
                 str(i), prompts[i], SamplingParams(temperature=0, max_tokens=MAX_NEW)
             )
@@ -62,7 +63,7 @@ def test_plain_greedy_matches_transformers(llama_dir, prompts, expected):
 
 
 def test_prefix_caching_with_shared_prefixes_matches(llama_dir, prompts, expected):
-    assert run_engine(llama_dir, prompts, waves=3) == expected
+    assert run_engine(llama_dir, prompts, rounds=3) == expected
     assert run_engine.last_stats["prefix_cache_hits"] > 0
 
 

@@ -14,13 +14,14 @@ import pytest
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.engine import Engine
 from paged_jax.models import load_model
 
 WINDOW = 8
 BS = 4
 MAX_NEW = 12
-WINDOW_BOUND = -(-WINDOW // BS) + 1
+WINDOW_BOUND = cdiv(WINDOW, BS) + 1
 CHECKPOINTS = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -51,15 +52,15 @@ def expected(path, prompts, hf_greedy):
     return [hf_greedy(path, p, MAX_NEW) for p in prompts]
 
 
-def run_engine(path, prompts, waves=1, **kwargs):
+def run_engine(path, prompts, rounds=1, **kwargs):
     model = load_model(path, attention_backend="reference")
     cfg = dict(block_size=BS, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64)
     cfg.update(kwargs)
     engine = Engine(model, EngineConfig(attention_backend="reference", **cfg))
     outs = {}
-    per_wave = -(-len(prompts) // waves)
-    for w in range(waves):
-        for i in range(w * per_wave, min(len(prompts), (w + 1) * per_wave)):
+    per_round = cdiv(len(prompts), rounds)
+    for r in range(rounds):
+        for i in range(r * per_round, min(len(prompts), (r + 1) * per_round)):
             engine.add_request(
                 str(i), prompts[i], SamplingParams(temperature=0, max_tokens=MAX_NEW)
             )
@@ -84,7 +85,7 @@ def test_chunked_prefill_past_the_window_matches(path, family, prompts, expected
     assert got == expected
     longest = max(len(p) for p in prompts) + MAX_NEW
     # Decode steps: the window group holds <= 3 blocks, a full group all of them.
-    full = -(-longest // BS) if family == "qwen2" else 0
+    full = cdiv(longest, BS) if family == "qwen2" else 0
     peak = engine.get_stats()["kv_blocks_per_request_peak"]
     assert WINDOW_BOUND <= peak <= WINDOW_BOUND + full
 
@@ -95,7 +96,7 @@ SMALL_POOL = {"mistral": 9, "qwen2": 19}
 
 def test_prefix_caching_and_preemption_match(path, family, prompts, expected):
     got, engine = run_engine(
-        path, prompts, waves=2, num_kv_blocks=SMALL_POOL[family], max_num_batched_tokens=8
+        path, prompts, rounds=2, num_kv_blocks=SMALL_POOL[family], max_num_batched_tokens=8
     )
     stats = engine.get_stats()
     assert stats["prefix_cache_hits"] > 0, "shared prefixes meant to hit"

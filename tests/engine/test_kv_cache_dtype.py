@@ -11,6 +11,7 @@ from safetensors.numpy import load_file, save_file
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.config import EngineConfig
+from paged_jax.constants import cdiv
 from paged_jax.entrypoints.generate_cli import main as generate_main
 from paged_jax.models import calibrate_kv_scales, load_model
 from paged_jax.models.simple_paged import jit_forward_paged, make_attn_metadata
@@ -132,7 +133,7 @@ def test_calibrated_scales_match_the_cached_kv(tiny_hf_checkpoint):
     model = load_model(tiny_hf_checkpoint("llama"))
     prompt = PROMPTS[2]
     scales = calibrate_kv_scales(model, [prompt])
-    table = list(range(1, 1 + -(-len(prompt) // 4)))
+    table = list(range(1, 1 + cdiv(len(prompt), 4)))
     positions, meta = make_attn_metadata([table], [0], [len(prompt)], block_size=4)
     caches = model.init_kv_caches(len(table) + 1, 4)
     _, caches = jit_forward_paged(model)(np.asarray(prompt, np.int32), positions, caches, meta)
