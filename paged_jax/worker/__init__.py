@@ -1,6 +1,7 @@
 """Device side of one engine step: InputBatch packs the scheduler's decisions into a
 fixed-shape StepInput (numpy), Runner runs the jitted step, sampling picks tokens.
 
-Mirrors vLLM V1's ``v1/worker``. ``input_batch`` is numpy only; ``runner`` and
-``sampling`` import jax.
+Mirrors vLLM V1's ``v1/worker``. ``input_batch`` and what it builds with
+(``block_table``, ``step_input``, ``attention_metadata``) are numpy only; ``runner``,
+``sampling``, ``token_feed``, ``block_copies`` and ``sharding`` import jax.
 """
