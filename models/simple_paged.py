@@ -15,11 +15,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from paged_jax.constants import cdiv
+from paged_jax.constants import NULL_BLOCK_ID, cdiv
 from paged_jax.models.attention import AttentionMetadata, KVCache
 from paged_jax.models.decoder import CausalLM
-
-NULL_BLOCK = 0
 
 
 def make_attn_metadata(
@@ -55,7 +53,7 @@ def make_attn_metadata(
         raise ValueError(f"num_tokens={num_tokens}, num_seqs={num_seqs} too small for the step")
     positions = np.zeros(num_tokens, np.int32)
     slot_mapping = np.full(num_tokens, -1, np.int32)
-    tables = np.full((num_seqs, width), NULL_BLOCK, np.int32)
+    tables = np.full((num_seqs, width), NULL_BLOCK_ID, np.int32)
     seq_lens = np.zeros(num_seqs, np.int32)
     query_start_loc = np.full(num_seqs + 1, total, np.int32)
     logits_indices = np.zeros(num_seqs, np.int32)

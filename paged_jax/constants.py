@@ -13,6 +13,7 @@ from typing import Literal, NoReturn, get_args
 
 # The kernels package owns the backend and fp8 names; pallas_kernels.names is jax-free.
 from pallas_kernels.names import BACKEND_NAMES, Fp8KVCacheDtype
+from pallas_kernels.names import NULL_BLOCK_ID as NULL_BLOCK_ID  # re-exported
 from pallas_kernels.names import AttentionBackend as AttentionBackend  # re-exported
 
 PreemptionMode = Literal["recompute", "swap"]

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
     from pallas_kernels.block_copy import copy_blocks
     from pallas_kernels.decode_attention import paged_attention
     from pallas_kernels.kv_write import write_kv
-    from pallas_kernels.layout import KV_CACHE_LAYOUT, NULL_BLOCK_ID, init_kv_cache, kv_cache_shape
-    from pallas_kernels.names import BACKEND_NAMES, AttentionBackend
+    from pallas_kernels.layout import KV_CACHE_LAYOUT, init_kv_cache, kv_cache_shape
+    from pallas_kernels.names import BACKEND_NAMES, NULL_BLOCK_ID, AttentionBackend
     from pallas_kernels.ragged_attention import ragged_paged_attention
     from pallas_kernels.step_routing import step_attention
     from pallas_kernels.validation import checked
@@ -34,7 +34,7 @@ _EXPORTS = {
     "AttentionOps": "backend",
     "get_attention_ops": "backend",
     "KV_CACHE_LAYOUT": "layout",
-    "NULL_BLOCK_ID": "layout",
+    "NULL_BLOCK_ID": "names",
     "init_kv_cache": "layout",
     "kv_cache_shape": "layout",
     "checked": "validation",

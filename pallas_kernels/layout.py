@@ -25,10 +25,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.names import NULL_BLOCK_ID as NULL_BLOCK_ID  # re-exported
 from pallas_kernels.quantization import FP8_DTYPES
 
 KV_CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
-NULL_BLOCK_ID = 0
 
 
 def kv_cache_shape(

@@ -21,8 +21,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from paged_jax.constants import NULL_BLOCK_ID
+
 PAD_SLOT_ID = -1  # slot of a padding token: its K/V write is dropped
-NULL_BLOCK = 0
 
 # One flat id list (a single-group model) or one list per KV-cache group.
 BlockIds = Sequence[int] | Sequence[Sequence[int]]
@@ -76,7 +77,7 @@ class BlockTable:
     def add_row(self, row: int, block_ids: BlockIds) -> None:
         """Starts `row` afresh with the given block ids (a new or resumed request)."""
         for table, num in zip(self.tables, self.num_blocks):
-            table[row] = NULL_BLOCK
+            table[row] = NULL_BLOCK_ID
             num[row] = 0
         self.append_row(row, block_ids)
 
@@ -112,7 +113,7 @@ class BlockTable:
     def clear_row(self, row: int) -> None:
         """Empties the row (its request left the batch)."""
         for table, num in zip(self.tables, self.num_blocks):
-            table[row, : num[row]] = NULL_BLOCK
+            table[row, : num[row]] = NULL_BLOCK_ID
             num[row] = 0
 
     # ----------------------------------------------------------------- step
@@ -137,7 +138,7 @@ class BlockTable:
                 # null them, exactly as SlidingWindowManager did before this step.
                 num_dead = np.maximum(num_computed - window + 1, 0) // self.block_size
                 cols = np.arange(table.shape[1])
-                tables[:n][cols[None, :] < num_dead[:, None]] = NULL_BLOCK
+                tables[:n][cols[None, :] < num_dead[:, None]] = NULL_BLOCK_ID
             out.append(tables)
         return tuple(out)
 
