@@ -1,7 +1,7 @@
 """Copy-on-write inside the jitted step: ``cache[dst] = cache[src]`` for every layer, first.
 
 The host schedules the copies (``KVCacheManager.take_pending_copies``) and the StepInput
-carries them as a fixed-width BlockCopies (src, dst) padded with dst = -1, so the step
+carries them as a fixed-width StepCopies (src, dst) padded with dst = -1, so the step
 keeps one shape. They run before the step's KV writes, on the donated caches, through
 the attention backend's ``copy_blocks`` (the Pallas kernel on GPU, the XLA reference else).
 """
@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import jax
 
 import pallas_kernels
-from paged_jax.worker.step_input import BlockCopies
+from paged_jax.worker.step_input import StepCopies
 
 
 def copy_kv_blocks(
     kv_caches: Sequence[tuple[jax.Array, jax.Array]],
-    copies: BlockCopies,  # src i32[C], dst i32[C] (-1 = padding)
+    copies: StepCopies,  # src i32[C], dst i32[C] (-1 = padding)
     *,
     attention_backend: str = "auto",
 ) -> list[tuple[jax.Array, jax.Array]]:

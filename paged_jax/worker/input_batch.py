@@ -12,7 +12,7 @@ step's (num_tokens, num_seqs) bucket so the jitted step never sees a new shape.
 
 The result is already grouped the way the step consumes it (paged_jax.worker.step_input):
 AttentionMetadata with one block table and slot mapping per KV-cache group (the rows
-live in a BlockTable), SamplingMetadata, the TokenFeed and the step's BlockCopies.
+live in a BlockTable), SamplingMetadata, the TokenFeed and the step's StepCopies.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 from paged_jax.worker.attention_metadata import AttentionMetadata
 from paged_jax.worker.block_table import PAD_SLOT_ID, BlockIds, BlockTable
-from paged_jax.worker.step_input import BlockCopies, SamplingMetadata, StepInput, TokenFeed
+from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
 
 __all__ = ["PAD_SLOT_ID", "InputBatch", "ScheduledSeq", "StepInput", "decode_step_shapes"]
 
@@ -340,14 +340,14 @@ class InputBatch:
         self._rows_sampling_cache = (key, entry)
         return entry
 
-    def _copies(self, pairs: Sequence[tuple[int, int]]) -> BlockCopies:
+    def _copies(self, pairs: Sequence[tuple[int, int]]) -> StepCopies:
         width = self.config.max_num_seqs
         assert len(pairs) <= width, "more block copies than scheduled sequences in one step"
         src = np.zeros(width, np.int32)
         dst = np.full(width, PAD_SLOT_ID, np.int32)
         if pairs:
             src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
-        return BlockCopies(src=src, dst=dst)
+        return StepCopies(src=src, dst=dst)
 
     def dummy_step_input(
         self, num_tokens: int, num_seqs: int, decode_only: bool = False

@@ -31,7 +31,7 @@ from paged_jax.worker.input_batch import decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
-from paged_jax.worker.step_input import BlockCopies, SamplingMetadata, StepInput, TokenFeed
+from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
 from paged_jax.worker.token_feed import feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -203,7 +203,7 @@ class Runner:
             attention: AttentionMetadata,
             sampling: SamplingMetadata,
             feed: TokenFeed,
-            copies: BlockCopies,
+            copies: StepCopies,
         ) -> tuple[SamplerOutput, list, jax.Array]:
             m = merge(weights)
             # Copy-on-write copies run before this step writes any KV.

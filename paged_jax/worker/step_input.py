@@ -5,7 +5,7 @@
       attention: AttentionMetadata         the model's layers (attention_metadata.py)
       sampling:  SamplingMetadata          the sampler (sampling.py)
       feed:      TokenFeed                 the async token feed (token_feed.py)
-      copies:    BlockCopies               copy-on-write, first in the step (block_copies.py)
+      copies:    StepCopies                copy-on-write, first in the step (block_copies.py)
 
 Every group is a pytree (NamedTuples of arrays; AttentionMetadata is registered by
 paged_jax.models.attention), so the runner passes them to the jitted step as they are.
@@ -46,8 +46,12 @@ class TokenFeed(NamedTuple):
     sample_rows: Any  # i32[S]; row that keeps this sequence's sample, >= R = dropped
 
 
-class BlockCopies(NamedTuple):
-    """The step's copy-on-write block copies, padded to C = max_num_seqs (one shape)."""
+class StepCopies(NamedTuple):
+    """The step's copy-on-write block copies as device arrays, padded to C = max_num_seqs.
+
+    The host's decision is ``paged_jax.core.copy_on_write.BlockCopies`` (pairs and the
+    table slots they fill); this is its fixed-shape form for the jitted step.
+    """
 
     src: Any  # i32[C]; source block ids
     dst: Any  # i32[C]; destination block ids, -1 = padding (no copy)
@@ -68,7 +72,7 @@ class StepInput:
     attention: AttentionMetadata
     sampling: SamplingMetadata
     feed: TokenFeed
-    copies: BlockCopies
+    copies: StepCopies
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
 
