@@ -22,15 +22,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
+from paged_jax.constants import fail, is_int, is_number
 from paged_jax.core.request import RequestStatus
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from paged_jax.engine import Engine
 
-SEMANTICS = ("hf", "vllm")
+BeamSemantics = Literal["hf", "vllm"]
+SEMANTICS: tuple[str, ...] = get_args(BeamSemantics)
 EARLY_STOPPING = (False, True, "never")
 
 
@@ -58,32 +60,24 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    semantics: str = "hf"
+    early_stopping: bool | Literal["never"] = False
+    semantics: BeamSemantics = "hf"
 
     def __post_init__(self) -> None:
-        def fail(name: str, expected: str) -> None:
-            raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r} must be {expected}")
-
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
         if not is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
-            fail("beam_width", f"an int in [1, {MAX_LOGPROBS // 2}]")
+            fail(self, "beam_width", f"an int in [1, {MAX_LOGPROBS // 2}]")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "an int >= 1")
+            fail(self, "max_tokens", "an int >= 1")
         if not isinstance(self.ignore_eos, bool):
-            fail("ignore_eos", "a bool")
-        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature < 1e6:
-            fail("temperature", "a number >= 0")
-        if isinstance(self.length_penalty, bool) or not isinstance(
-            self.length_penalty, int | float
-        ):
-            fail("length_penalty", "a number")
+            fail(self, "ignore_eos", "a bool")
+        if not is_number(self.temperature) or not 0.0 <= self.temperature < 1e6:
+            fail(self, "temperature", "a number >= 0")
+        if not is_number(self.length_penalty):
+            fail(self, "length_penalty", "a number")
         if not any(self.early_stopping is v or self.early_stopping == v for v in EARLY_STOPPING):
-            fail("early_stopping", "False, True or 'never'")
+            fail(self, "early_stopping", "False, True or 'never'")
         if self.semantics not in SEMANTICS:
-            fail("semantics", f"one of {SEMANTICS}")
+            fail(self, "semantics", f"one of {SEMANTICS}")
 
 
 @dataclasses.dataclass

@@ -8,7 +8,8 @@ import pytest
 
 import paged_jax
 from paged_jax import EngineConfig, PagedModel
-from paged_jax.model_api import check_paged_model
+from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
+from paged_jax.model_api import check_paged_model, model_kv_cache_groups
 from paged_jax.testing.fake_model import SumModel, SumModelConfig
 
 ENGINE = dict(block_size=4, num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=16)
@@ -59,6 +60,18 @@ def test_missing_config_field_is_named():
     model.config = _ConfigWithoutEos()
     with pytest.raises(TypeError, match=r"missing field 'eos_token_ids'"):
         paged_jax.Engine(model, EngineConfig(**ENGINE))
+
+
+def test_kv_cache_groups_default_to_one_full_group_over_every_layer():
+    model = SumModel(SumModelConfig(num_hidden_layers=3))
+    assert model_kv_cache_groups(model) == (KVCacheGroupSpec(None, (0, 1, 2)),)
+
+    class Windowed(SumModel):
+        def kv_cache_groups(self):
+            return [KVCacheGroupSpec(None, (0,)), KVCacheGroupSpec(8, (1, 2))]
+
+    groups = model_kv_cache_groups(Windowed(SumModelConfig(num_hidden_layers=3)))
+    assert groups == (KVCacheGroupSpec(None, (0,)), KVCacheGroupSpec(8, (1, 2)))
 
 
 def test_llm_serves_a_model_object_with_token_prompts():
