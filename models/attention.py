@@ -3,7 +3,7 @@
 The dense path is the parity oracle (no cache, equal-length rows); the paged path writes
 the new tokens' K/V by its KV-cache group's slot mapping and runs paged attention over
 that group's block table (pallas_kernels: ragged, or the decode kernel on decode-only
-steps). AttentionMetadata is defined jax-free in paged_jax.worker.attention_metadata.
+steps). AttentionMetadata is defined jax-free in paged_jax.worker.step_input.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flax import nnx
 import pallas_kernels
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.layers import apply_rotary, linear, matmul_precision
-from paged_jax.worker.attention_metadata import AttentionMetadata
+from paged_jax.worker.step_input import AttentionMetadata
 
 __all__ = ["Attention", "AttentionMetadata", "KVCache", "causal_attention"]
 

@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pallas_kernels import reference
-    from pallas_kernels.backend import AttentionOps, get_attention_ops
+    from pallas_kernels.backend import AttentionOps, get_attention_ops, step_attention
     from pallas_kernels.block_copy import copy_blocks
     from pallas_kernels.decode_attention import paged_attention
     from pallas_kernels.kv_write import write_kv
     from pallas_kernels.layout import KV_CACHE_LAYOUT, init_kv_cache, kv_cache_shape
     from pallas_kernels.names import BACKEND_NAMES, NULL_BLOCK_ID, AttentionBackend
     from pallas_kernels.ragged_attention import ragged_paged_attention
-    from pallas_kernels.step_routing import step_attention
     from pallas_kernels.validation import checked
 
 # Public name -> the submodule that defines it ("reference" is a submodule itself).
@@ -41,7 +40,7 @@ _EXPORTS = {
     "copy_blocks": "block_copy",
     "paged_attention": "decode_attention",
     "ragged_paged_attention": "ragged_attention",
-    "step_attention": "step_routing",
+    "step_attention": "backend",
     "write_kv": "kv_write",
     "reference": "reference",
 }

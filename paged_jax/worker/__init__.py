@@ -2,6 +2,6 @@
 fixed-shape StepInput (numpy), Runner runs the jitted step, sampling picks tokens.
 
 Mirrors vLLM V1's ``v1/worker``. ``input_batch`` and what it builds with
-(``block_table``, ``step_input``, ``attention_metadata``) are numpy only; ``runner``,
-``sampling``, ``token_feed``, ``block_copies`` and ``sharding`` import jax.
+(``block_table``, ``step_input``) are numpy only; ``runner``,
+``sampling`` and ``sharding`` import jax.
 """

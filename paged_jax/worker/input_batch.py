@@ -26,9 +26,14 @@ from paged_jax.config import EngineConfig, bucket_for
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
-from paged_jax.worker.attention_metadata import AttentionMetadata
 from paged_jax.worker.block_table import PAD_SLOT_ID, BlockIds, BlockTable
-from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
+from paged_jax.worker.step_input import (
+    AttentionMetadata,
+    SamplingMetadata,
+    StepCopies,
+    StepInput,
+    TokenFeed,
+)
 
 __all__ = ["PAD_SLOT_ID", "InputBatch", "ScheduledSeq", "StepInput", "decode_step_shapes"]
 

@@ -19,20 +19,20 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import checkify
 
+import pallas_kernels
 from paged_jax.config import EngineConfig
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
-from paged_jax.worker.block_copies import copy_kv_blocks
 from paged_jax.worker.input_batch import decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
 from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
-from paged_jax.worker.token_feed import feed_tokens, init_row_tokens, record_tokens
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -93,6 +93,53 @@ def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
             f"of {bytes_per_block} bytes"
         )
     return int(num_blocks)
+
+
+# ---------------------------------------------------------------- inside the jitted step
+# Copy-on-write runs first: ``cache[dst] = cache[src]`` for every layer's K and V. The
+# host schedules the copies (KVCacheManager.take_pending_copies) and the StepInput
+# carries them as a fixed-width StepCopies padded with dst = -1, so the step keeps one
+# shape. Destinations are distinct and never a source (the block manager's holds), so
+# the copies may run in any order.
+#
+# Token feed: sampled ids stay on device and become the next step's input tokens.
+# Async scheduling packs step N+1 before step N's samples reach the host, so a
+# request's newest token is a placeholder in step N+1's host-built token_ids. The
+# device keeps one slot per input-batch row (a request holds its row for its whole stay
+# in the batch, so no other request's sample overwrites a slot still needed):
+#
+#     step N:    sample -> row_tokens[sample_rows[s]] = sampled[s]
+#     step N+1:  token_ids[t] = row_tokens[token_rows[t]] where token_rows[t] >= 0
+#
+# Both are fixed-shape gathers/scatters: no new shapes, no host round trip. The
+# synchronous engine passes token_rows = -1 everywhere.
+
+
+def copy_kv_blocks(
+    kv_caches: list[tuple[jax.Array, jax.Array]],
+    copies: StepCopies,  # src i32[C], dst i32[C] (-1 = padding)
+    *,
+    attention_backend: Any = "auto",  # a backend name or AttentionOps (per shard under TP)
+) -> list[tuple[jax.Array, jax.Array]]:
+    """Copies whole blocks (all heads) of every layer's K and V cache from src to dst ids."""
+    copy = pallas_kernels.get_attention_ops(attention_backend).copy_blocks
+    return [tuple(copy(k, v, copies.src, copies.dst)) for k, v in kv_caches]
+
+
+def init_row_tokens(num_rows: int) -> jax.Array:
+    """i32[num_rows] zeros: one last-sampled-token slot per input-batch row."""
+    return jnp.zeros(num_rows, jnp.int32)
+
+
+def feed_tokens(row_tokens: jax.Array, token_ids: jax.Array, token_rows: jax.Array) -> jax.Array:
+    """i32[T] token ids with every placeholder (token_rows >= 0) taken from row_tokens."""
+    from_device = row_tokens[jnp.maximum(token_rows, 0)]
+    return jnp.where(token_rows >= 0, from_device, token_ids)
+
+
+def record_tokens(row_tokens: jax.Array, sampled: jax.Array, sample_rows: jax.Array) -> jax.Array:
+    """row_tokens with each sequence's sample stored at its row (out-of-range rows dropped)."""
+    return row_tokens.at[sample_rows].set(sampled, mode="drop")
 
 
 class PendingStep:

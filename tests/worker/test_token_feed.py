@@ -9,7 +9,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.token_feed import feed_tokens, init_row_tokens, record_tokens
+from paged_jax.worker.runner import feed_tokens, init_row_tokens, record_tokens
 
 
 def test_feed_and_record_by_row():

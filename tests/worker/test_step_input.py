@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from paged_jax.models import AttentionMetadata
-from paged_jax.worker.attention_metadata import GroupTables
+from paged_jax.worker.step_input import GroupTables
 
 
 def _meta(**kwargs) -> AttentionMetadata:
