@@ -112,9 +112,10 @@ def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i3
     """Block tables over a random permutation of the cache's blocks (scattered pages)."""
     import jax.numpy as jnp
     import numpy as np
+    from jax.experimental.pallas import cdiv
 
-    needed = [-(-c // BLOCK_SIZE) for c in contexts]
-    width = -(-max(needed) // 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
+    needed = [cdiv(c, BLOCK_SIZE) for c in contexts]
+    width = cdiv(max(needed), 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
     ids = rng.permutation(np.arange(1, num_blocks))[: sum(needed)]
     tables = np.zeros((len(contexts), width), np.int32)
     cursor = 0

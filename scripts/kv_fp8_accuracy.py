@@ -30,7 +30,7 @@ from paged_jax.models import calibrate_kv_scales, load_model
 from paged_jax.models.simple_paged import greedy_generate_paged
 from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
+DEFAULT_FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt")
 KV_CACHES = ("auto", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3+calibrated")
 _FP8 = {"fp8_e4m3": jax.numpy.float8_e4m3fn, "fp8_e5m2": jax.numpy.float8_e5m2}
 
@@ -127,7 +127,9 @@ def evaluate(path: pathlib.Path, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", action="append", type=pathlib.Path, help="HF checkpoint dir(s)")
-    p.add_argument("--families", default=",".join(FAMILIES), help="tiny families (no --model)")
+    p.add_argument(
+        "--families", default=",".join(DEFAULT_FAMILIES), help="tiny families (no --model)"
+    )
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=16)

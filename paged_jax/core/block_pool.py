@@ -7,10 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from paged_jax.constants import is_int
+from paged_jax.constants import NULL_BLOCK_ID, is_int
 from paged_jax.core.hashing import BlockHash, BlockHashWithGroupId, make_block_hash_with_group_id
 from paged_jax.core.kv_cache_block import (
-    NULL_BLOCK_ID,
     BlockId,
     FreeKVCacheBlockQueue,
     KVCacheBlock,

@@ -8,13 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NewType
 
-from paged_jax import constants
 from paged_jax.core.hashing import BlockHashWithGroupId
 
 BlockId = NewType("BlockId", int)
 """Index of a physical KV block; 0 is the null block."""
-
-NULL_BLOCK_ID: BlockId = constants.NULL_BLOCK_ID  # type: ignore[assignment]
 
 
 class KVCacheBlock:
