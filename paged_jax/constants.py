@@ -33,6 +33,12 @@ HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
+# The most bytes of text one token is assumed to cover (the longest tokens of common
+# vocabularies, runs of spaces or dashes, are shorter). A text prompt of more than
+# max_model_len * PROMPT_BYTES_PER_TOKEN characters (each at least one byte) cannot fit,
+# so it is refused before it is tokenized; the CLI's prompts-file line limit derives
+# from it too. Only a tokenizer whose normalizer deletes text could beat the bound.
+PROMPT_BYTES_PER_TOKEN = 128
 
 
 def cdiv(a: int, b: int) -> int:

@@ -19,7 +19,7 @@ from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_s
 from paged_jax.chat_template import ChatTemplate, check_messages
 from paged_jax.compile_cache import enable_compile_cache, resolve_compile_cache_dir
 from paged_jax.config import EngineConfig
-from paged_jax.constants import is_int
+from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
 from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
 from paged_jax.outputs import CompletionOutput, EngineOutput, RequestMetrics, RequestOutput
@@ -304,6 +304,15 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt='' must be a non-empty string")
+            # Refused before tokenizing (which costs ~200 bytes of memory per character).
+            longest = self.config.max_model_len * PROMPT_BYTES_PER_TOKEN
+            if len(prompt) > longest:
+                raise ValueError(
+                    f"prompt of {len(prompt)} characters cannot fit max_model_len="
+                    f"{self.config.max_model_len}: a token covers at most "
+                    f"{PROMPT_BYTES_PER_TOKEN} bytes of text, so a prompt that fits has at "
+                    f"most {longest} characters"
+                )
             ids = self.encode(prompt)
             if not ids:
                 raise ValueError(f"prompt={prompt[:40]!r} tokenizes to no tokens")

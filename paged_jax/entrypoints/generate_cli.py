@@ -14,9 +14,23 @@ import time
 from typing import Any
 
 from paged_jax.config import EngineConfig
+from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
 from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
-from paged_jax.entrypoints.output_file import JsonlStream, check_writable, write_json_atomic
-from paged_jax.entrypoints.prompts_file import PromptLine, params_for, read_prompt_lines
+from paged_jax.entrypoints.output_file import (
+    JsonlStream,
+    check_distinct_paths,
+    check_writable,
+    write_json_atomic,
+)
+from paged_jax.entrypoints.prompts_file import (
+    LINE_SLACK_BYTES,
+    MAX_PROMPTS_FILE_BYTES,
+    MAX_PROMPTS_FILE_LINES,
+    PromptLine,
+    check_readable,
+    params_for,
+    read_prompt_lines,
+)
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PROG = "paged-jax-generate"
@@ -31,7 +45,14 @@ output: one JSON line per request, written as each request finishes (so in finis
 order; "index" is the position in the prompts file). A request that cannot be served
 (bad line, empty or too long prompt, bad token id, no tokenizer) gets a record with
 "error" and the others complete. The file is written as OUTPUT.partial and renamed
-when the run completes.
+when the run completes; a leftover OUTPUT.partial is moved to OUTPUT.partial.N first.
+A symlinked --output or --summary-json is refused.
+
+limits: a prompts-file line past {6 * PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len \
++ {LINE_SLACK_BYTES >> 20} MiB is an
+error record; a file over {MAX_PROMPTS_FILE_BYTES >> 30} GiB or {MAX_PROMPTS_FILE_LINES:,} \
+lines is refused; a text prompt over {PROMPT_BYTES_PER_TOKEN}
+characters per token of max_model_len is refused before it is tokenized.
 
 defaults: the CLI samples greedily (--temperature 0) and generates up to 32 tokens;
 the Python API's SamplingParams() defaults to temperature 1.0 and max_tokens 16, as
@@ -42,7 +63,8 @@ $PAGED_JAX_CACHE/jax_compile_cache (default ~/.cache/paged_jax/jax_compile_cache
 --no-compile-cache or PAGED_JAX_COMPILE_CACHE=0 turns it off.
 
 exit status: 0 all requests succeeded, 1 some requests failed (see their records),
-2 nothing was run (bad flag, unreadable prompts, unwritable output, unusable model).
+2 nothing was run (bad flag, unreadable or endless prompts, unwritable output, unusable
+model, config.json, tokenizer.json or max_model_len).
 {PROG} never prints a traceback for these.
 """
 
@@ -172,51 +194,62 @@ class _Plan:
 def _prepare(args: argparse.Namespace) -> _Plan:
     """Fatal checks, cheapest first, so a doomed run fails in seconds without loading.
 
+    The output file is opened last, so a run that fails here touches no file.
+
     Raises:
         ValueError / FileNotFoundError: one line each, naming the flag or file.
     """
-    output = None
-    try:
-        summary_path = (
-            check_writable(args.summary_json, "--summary-json") if args.summary_json else None
-        )
-        output = JsonlStream(args.output) if args.output else None
-        engine_args = engine_args_from_args(args)
-        EngineConfig(**engine_args)
-        params = sampling_params_from_args(args)
-        if args.prompts:
-            _, lines = read_prompt_lines(args.prompts)
-            if all(line.error for line in lines):
-                raise ValueError(
-                    f"--prompts={args.prompts!r} holds no valid line: {lines[0].error}"
-                )
-        else:
-            from paged_jax.entrypoints.demo_prompts import builtin_prompts
+    summary_path = (
+        check_writable(args.summary_json, "--summary-json") if args.summary_json else None
+    )
+    if args.output:
+        check_writable(args.output, "--output")
+    check_distinct_paths(
+        {"--prompts": args.prompts, "--output": args.output, "--summary-json": args.summary_json}
+    )
+    engine_args = engine_args_from_args(args)
+    EngineConfig(**engine_args)
+    params = sampling_params_from_args(args)
+    if args.prompts is not None:
+        check_readable(args.prompts)
+    elif args.num_prompts < 1:
+        raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
+    if args.model is None:
+        from paged_jax.entrypoints.demo import ensure_demo_model
 
-            if args.num_prompts < 1:
-                raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
-            texts = builtin_prompts(args.num_prompts)
-            lines = [PromptLine(i, i + 1, kind="prompt", value=t) for i, t in enumerate(texts)]
-        if args.model is None:
-            from paged_jax.entrypoints.demo import ensure_demo_model
-
+        try:
             model_dir = ensure_demo_model(args.cache_dir)
-            _say(args, f"using the built-in demo model (random weights) at {model_dir}")
-        else:
-            model_dir = pathlib.Path(args.model)
-            if not (model_dir / "config.json").is_file():
-                raise ValueError(
-                    f"--model={args.model!r} must be a Hugging Face model directory with config.json"
-                )
-        from paged_jax.models.loader import check_model_dir
-        from pallas_kernels.backend import check_backend
+        except OSError as err:
+            raise ValueError(f"--cache-dir: the demo model cannot be written: {err}") from err
+        _say(args, f"using the built-in demo model (random weights) at {model_dir}")
+    else:
+        model_dir = pathlib.Path(args.model)
+        if not (model_dir / "config.json").is_file():
+            raise ValueError(
+                f"--model={args.model!r} must be a Hugging Face model directory with config.json"
+            )
+    from paged_jax.entrypoints.preflight import check_model
 
-        check_model_dir(model_dir)
-        check_backend(args.attention_backend)
-    except BaseException:
-        if output is not None:
-            output.close_partial().unlink(missing_ok=True)
-        raise
+    facts = check_model(model_dir, engine_args)
+    if args.prompts:
+        # Read after the model check: the line limit derives from max_model_len.
+        _, lines = read_prompt_lines(args.prompts, facts.max_model_len)
+        if all(line.error for line in lines):
+            raise ValueError(f"--prompts={args.prompts!r} holds no valid line: {lines[0].error}")
+    else:
+        from paged_jax.entrypoints.demo_prompts import builtin_prompts
+
+        texts = builtin_prompts(args.num_prompts)
+        lines = [PromptLine(i, i + 1, kind="prompt", value=t) for i, t in enumerate(texts)]
+    from pallas_kernels.backend import check_backend
+
+    check_backend(args.attention_backend)
+    output = JsonlStream(args.output) if args.output else None
+    if output is not None and output.moved_aside is not None:
+        _say(
+            args,
+            f"{output.partial} (a previous run's records) was moved to {output.moved_aside}",
+        )
     compile_cache: bool | str = True
     if args.no_compile_cache:
         compile_cache = False
@@ -323,19 +356,28 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     try:
         return _run(args, plan)
     except BaseException as err:
-        if plan.output is not None:
-            kept = plan.output.close_partial()
+        fatal = isinstance(err, ValueError | FileNotFoundError)
+        kept = None if plan.output is None else plan.output.close_partial()
+        # A fatal error before the first record (the model failed to load) stays one line.
+        if plan.output is not None and (kept is not None or not fatal):
+            where = (
+                "no records were written"
+                if kept is None
+                else f"{plan.output.num_records} records are in {kept}"
+            )
             print(
-                f"{PROG}: error: the run stopped ({type(err).__name__}); {plan.output.num_records} "
-                f"records are in {kept}; {plan.output.target} was not replaced",
+                f"{PROG}: error: the run stopped ({type(err).__name__}); {where}; "
+                f"{plan.output.target} was not replaced",
                 file=sys.stderr,
             )
         if isinstance(err, KeyboardInterrupt):
             return 130
-        if isinstance(err, ValueError | FileNotFoundError):
+        if fatal:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return 2
         raise

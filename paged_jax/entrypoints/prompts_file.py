@@ -4,21 +4,35 @@ JSONL (the first non-blank line is a JSON object): one request per line, exactly
     {"prompt": "text"} | {"prompt_token_ids": [1, 2, 3]} | {"messages": [{"role": ..., ...}]}
 plus an optional "id" (echoed in the output) and per-line SamplingParams overrides
 ({"max_tokens": 8, "temperature": 0.7, "stop": ["\\n"], "n": 2, ...}).
-Plain text: every non-blank line is one prompt. "-" reads standard input.
+Plain text: every non-blank line is one prompt. "-" reads standard input. Lines end at
+"\\n" ("\\r\\n" too).
 
 A bad line does not sink the file: it becomes a PromptLine with `error` set (naming the
-line number), and the CLI writes an error record for it. Host module: no jax.
+line number), and the CLI writes an error record for it. The file is read in chunks, so
+memory stays bounded whatever it holds: a line longer than line_byte_limit(max_model_len)
+is skipped unread (an error line), and a file past MAX_PROMPTS_FILE_BYTES or
+MAX_PROMPTS_FILE_LINES (endless input such as /dev/zero or `yes`) is refused.
+Host module: no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
-from paged_jax.constants import is_int
+from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
 from paged_jax.sampling_params import SamplingParams
+
+# A whole prompts file is held in memory (as lines, then requests): these bound it.
+MAX_PROMPTS_FILE_BYTES = 1 << 30
+MAX_PROMPTS_FILE_LINES = 1_000_000
+# Room on a line for the fields besides the prompt (id, stop strings, message roles).
+LINE_SLACK_BYTES = 1 << 20
+_CHUNK_BYTES = 1 << 20
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
@@ -48,35 +62,173 @@ class PromptLine:
     error: str | None = None
 
 
-def read_prompt_lines(path: str) -> tuple[str, list[PromptLine]]:
-    """(format, lines) of a prompts file; format is "jsonl" or "text".
+def check_readable(path: str) -> None:
+    """Fails fast (before the model is checked) when the prompts file cannot be opened.
+
+    Checked without opening, so a FIFO's writer is not disturbed.
 
     Raises:
-        ValueError: the file cannot be read or holds no prompt at all.
+        ValueError: naming the flag and the reason.
     """
+    if path == "-":
+        return
+    try:
+        os.stat(path)
+    except OSError as err:
+        raise ValueError(f"--prompts={path!r} cannot be read: {err}") from err
+    if os.path.isdir(path):
+        raise ValueError(f"--prompts={path!r} cannot be read: it is a directory")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"--prompts={path!r} cannot be read: permission denied")
+
+
+def line_byte_limit(max_model_len: int) -> int:
+    """The longest prompts-file line kept for `max_model_len`: room for any prompt that fits.
+
+    A prompt that fits has at most max_model_len tokens of at most PROMPT_BYTES_PER_TOKEN
+    bytes each; JSON spells a byte in at most 6 ("\\u0001"), and a token id in fewer;
+    LINE_SLACK_BYTES leave room for the other fields.
+    """
+    return 6 * PROMPT_BYTES_PER_TOKEN * max_model_len + LINE_SLACK_BYTES
+
+
+def read_prompt_lines(
+    path: str,
+    max_model_len: int | None = None,
+    *,
+    max_total_bytes: int = MAX_PROMPTS_FILE_BYTES,
+    max_lines: int = MAX_PROMPTS_FILE_LINES,
+) -> tuple[str, list[PromptLine]]:
+    """(format, lines) of a prompts file; format is "jsonl" or "text".
+
+    Args:
+        path: the file, or "-" for standard input.
+        max_model_len: the run's context length; a line longer than
+            line_byte_limit(max_model_len) becomes an error line without being kept.
+            None: no per-line limit.
+        max_total_bytes: the most bytes read (the whole file is held in memory).
+        max_lines: the most lines, blank ones included.
+
+    Raises:
+        ValueError: the file cannot be read, is not UTF-8, holds no prompt at all, or is
+            longer than max_total_bytes or max_lines.
+    """
+    line_limit = None if max_model_len is None else line_byte_limit(max_model_len)
     try:
         if path == "-":
-            text = sys.stdin.read()
+            numbered = _decoded_lines(_stdin_bytes(), path, line_limit, max_total_bytes, max_lines)
         else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-    except (OSError, UnicodeDecodeError) as err:
+            with open(path, "rb") as f:
+                numbered = _decoded_lines(f, path, line_limit, max_total_bytes, max_lines)
+    except OSError as err:
         raise ValueError(f"--prompts={path!r} cannot be read: {err}") from err
-    numbered = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     if not numbered:
         raise ValueError(f"--prompts={path!r} holds no prompts")
-    fmt = "jsonl" if _is_json_object(numbered[0][1]) else "text"
-    if fmt == "text":
-        return fmt, [
-            PromptLine(i, n, kind="prompt", value=line) for i, (n, line) in enumerate(numbered)
-        ]
-    return fmt, [parse_jsonl_line(i, n, line) for i, (n, line) in enumerate(numbered)]
+
+    def too_long(index: int, line_no: int) -> PromptLine:
+        error = (
+            f"line {line_no}: longer than {line_limit} bytes, the line limit for "
+            f"max_model_len={max_model_len} (no prompt that long fits)"
+        )
+        return PromptLine(index, line_no, error=error)
+
+    first = next((line for _, line in numbered if line is not None), None)
+    fmt = "jsonl" if first is not None and _is_json_object(first) else "text"
+    lines = []
+    for i, (n, line) in enumerate(numbered):
+        if line is None:
+            lines.append(too_long(i, n))
+        elif fmt == "text":
+            lines.append(PromptLine(i, n, kind="prompt", value=line))
+        else:
+            lines.append(parse_jsonl_line(i, n, line))
+    return fmt, lines
+
+
+def _decoded_lines(
+    stream: BinaryIO, path: str, line_limit: int | None, max_total: int, max_lines: int
+) -> list[tuple[int, str | None]]:
+    """(line number, text) of the non-blank lines; text None for a line past line_limit."""
+    numbered: list[tuple[int, str | None]] = []
+    for n, raw in _raw_lines(stream, path, line_limit, max_total, max_lines):
+        if raw is None:
+            numbered.append((n, None))
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"--prompts={path!r} cannot be read: line {n}: {err}") from err
+        text = text.removesuffix("\r")
+        if text.strip():
+            numbered.append((n, text))
+    return numbered
+
+
+def _raw_lines(
+    stream: BinaryIO, path: str, line_limit: int | None, max_total: int, max_lines: int
+) -> Iterator[tuple[int, bytes | None]]:
+    """(1-based line number, bytes without the newline) of each line, read in chunks.
+
+    A line past line_limit yields None; its bytes are dropped as they arrive, so memory
+    holds at most one line's limit however long the line runs. Endless input ends at
+    max_total or max_lines with a ValueError.
+    """
+    pending = bytearray()
+    overlong = False
+    total = line_no = 0
+
+    def end_line() -> tuple[int, bytes | None]:
+        nonlocal line_no
+        line_no += 1
+        if line_no > max_lines:
+            raise ValueError(
+                f"--prompts={path!r} holds more than {max_lines} lines; split it into several files"
+            )
+        return line_no, None if overlong else bytes(pending)
+
+    while chunk := stream.read(_CHUNK_BYTES):
+        total += len(chunk)
+        if total > max_total:
+            raise ValueError(
+                f"--prompts={path!r} is longer than {max_total} bytes (endless input such "
+                "as /dev/zero?); split it into files of at most that size"
+            )
+        start = 0
+        while start < len(chunk):
+            newline = chunk.find(b"\n", start)
+            stop = len(chunk) if newline < 0 else newline
+            if not overlong:
+                pending += chunk[start:stop]
+                if line_limit is not None and len(pending) > line_limit:
+                    overlong = True
+                    pending.clear()
+            if newline < 0:
+                break
+            yield end_line()
+            pending.clear()
+            overlong = False
+            start = newline + 1
+    if pending or overlong:
+        yield end_line()
+
+
+def _stdin_bytes() -> BinaryIO:
+    """Standard input as bytes (a replaced sys.stdin without .buffer is encoded)."""
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is not None:
+        return buffer
+
+    class Encoded:
+        def read(self, size: int) -> bytes:
+            return sys.stdin.read(size).encode("utf-8")
+
+    return Encoded()  # type: ignore[return-value]
 
 
 def _is_json_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
 
 
@@ -92,6 +244,8 @@ def parse_jsonl_line(index: int, line_no: int, line: str) -> PromptLine:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         return bad(f"not valid JSON ({err})")
+    except RecursionError:
+        return bad("not valid JSON (nested too deeply)")
     if not isinstance(record, dict):
         return bad(f"must be a JSON object, not {type(record).__name__}")
     out.id = record.get("id")

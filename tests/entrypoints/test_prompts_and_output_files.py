@@ -53,6 +53,7 @@ def test_plain_text_named_jsonl_is_text_and_dash_reads_stdin(tmp_path, monkeypat
         ('{"id": 3}', r"line 2: needs exactly one of .* found \[\]"),
         ('{"prompt": 5}', r"line 2: prompt=5 must be a string"),
         ('{"prompt_token_ids": [1, "2"]}', r"line 2: prompt_token_ids=\[1, '2'\] must be"),
+        ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", r"not valid JSON \(nested too"),
     ],
 )
 def test_bad_lines_become_errors_naming_the_line(tmp_path, line, match):

@@ -1,0 +1,147 @@
+"""The CLI's model preflight: everything about a checkpoint that would doom the run, found
+before the model loads, each as one ValueError naming the file (and the field).
+
+config.json (via models.loader.check_model_dir: fields, architecture, weight headers),
+tokenizer.json, the chat template, max_model_len against max_position_embeddings, and
+the host memory the buffers sized by max_model_len need. Host module: imports no jax
+itself (the loader, imported when a check runs, does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from typing import Any
+
+from paged_jax.config import EngineConfig
+
+INT32_BYTES = 4
+# The engine keeps up to two block tables per sequence (full and sliding-window groups).
+MAX_KV_CACHE_GROUPS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the preflight learnt about the checkpoint.
+
+    Attributes:
+        max_model_len: the run's context length (the flag, or the model's
+            max_position_embeddings).
+        max_position_embeddings: the model's limit, from config.json.
+    """
+
+    max_model_len: int
+    max_position_embeddings: int
+
+
+def check_model(model_dir: pathlib.Path, engine_args: dict[str, Any]) -> ModelFacts:
+    """Checks that `model_dir` can be loaded and run with `engine_args`, without loading it.
+
+    Args:
+        model_dir: a Hugging Face model directory holding config.json.
+        engine_args: the EngineConfig keyword arguments of the run.
+
+    Raises:
+        ValueError: one line naming the file (and the field) that dooms the run.
+    """
+    config_file = model_dir / "config.json"
+    config = _model_config(model_dir, config_file)
+    _check_tokenizer(model_dir)
+    _check_chat_template(model_dir)
+    limit = int(config.max_position_embeddings)
+    requested = engine_args.get("max_model_len")
+    if requested is not None and requested > limit:
+        raise ValueError(
+            f"--max-model-len={requested} must be <= max_position_embeddings={limit} "
+            f"({config_file})"
+        )
+    max_model_len = limit if requested is None else requested
+    engine = dataclasses.replace(EngineConfig(**engine_args), max_model_len=max_model_len)
+    need, free = max_model_len_bytes(engine), available_host_memory()
+    if free is not None and need > free:
+        where = (
+            f"max_position_embeddings={limit} in {config_file} makes max_model_len={limit}"
+            if requested is None
+            else f"--max-model-len={requested}"
+        )
+        raise ValueError(
+            f"{where}: the buffers sized by it (token ids, penalty history and block tables "
+            f"of max_num_seqs={engine.max_num_seqs} sequences) need {_gib(need)}, more than "
+            f"the {_gib(free)} of free host memory; set --max-model-len to a smaller value "
+            "(or lower --max-num-seqs)"
+        )
+    return ModelFacts(max_model_len, limit)
+
+
+def _model_config(model_dir: pathlib.Path, config_file: pathlib.Path) -> Any:
+    """The checkpoint's ModelConfig after the loader's checks (weight headers included)."""
+    from paged_jax.models.loader import check_model_dir
+
+    try:
+        return check_model_dir(model_dir)
+    except (ValueError, FileNotFoundError) as err:
+        if str(model_dir) in str(err):
+            raise
+        raise ValueError(f"{config_file}: {err}") from err
+    except RecursionError as err:
+        raise ValueError(f"{config_file} is nested too deeply to parse") from err
+    except Exception as err:  # a value the family's parser did not expect
+        raise ValueError(f"{config_file} cannot be used: {type(err).__name__}: {err}") from err
+
+
+def _check_tokenizer(model_dir: pathlib.Path) -> None:
+    """tokenizer.json parses (LLM loads it when present; a broken one would fail there)."""
+    file = model_dir / "tokenizer.json"
+    if not file.is_file():
+        return
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+        raise ValueError(f"{file} is not a usable tokenizer: {err}") from err
+
+
+def _check_chat_template(model_dir: pathlib.Path) -> None:
+    """tokenizer_config.json / chat_template.jinja parse (LLM reads them when it loads)."""
+    from paged_jax.chat_template import ChatTemplate
+
+    try:
+        ChatTemplate.from_model_dir(model_dir)
+    except ValueError:
+        raise
+    except Exception as err:  # a template that does not compile, an unreadable file
+        raise ValueError(
+            f"the chat template of {model_dir} cannot be used: {type(err).__name__}: {err}"
+        ) from err
+
+
+def max_model_len_bytes(config: EngineConfig) -> int:
+    """Bytes of the buffers whose size grows with max_model_len (config resolved).
+
+    The input batch's token ids (one row per sequence), the runner's zero penalty history
+    (one per sequence bucket) and the block tables; the KV cache is sized separately.
+    """
+    rows = config.max_num_seqs + sum(config.seq_buckets)
+    tables = MAX_KV_CACHE_GROUPS * config.max_num_seqs * config.max_blocks_per_seq
+    return INT32_BYTES * (rows * config.max_model_len + tables)
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available to a new allocation (Linux MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.1f} GiB"
