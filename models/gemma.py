@@ -30,7 +30,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paged_jax.models.config import ModelConfig, RopeConfig, common_fields, rope_from_hf
+from paged_jax.models.config import (
+    HIDDEN_ACTS,
+    LAYER_TYPES,
+    ConfigReader,
+    ModelConfig,
+    RopeConfig,
+    common_fields,
+    read_rope,
+    rope_from_hf,
+)
 from paged_jax.models.decoder import CausalLM, DecoderLayer
 from paged_jax.models.llama import LLAMA_PARTITION_RULES
 from paged_jax.models.qwen3 import qk_norm_rules
@@ -111,37 +120,41 @@ def gemma_config(
     rope: RopeConfig,
     local_rope: RopeConfig | None,
 ) -> ModelConfig:
-    """Reads a Gemma 2 / Gemma 3 text config.json (explicit nulls keep their meaning)."""
-    merged = {**defaults, **hf}
-    get = {**defaults, **{k: v for k, v in hf.items() if v is not None}}.get
-    num_layers = get("num_hidden_layers")
-    window = merged.get("sliding_window")
-    layer_types = tuple(hf.get("layer_types") or default_layer_types(num_layers))
+    """Reads a Gemma 2 / Gemma 3 text config.json (explicit nulls keep their meaning).
+
+    Raises:
+        ConfigFileError: naming the field of a value of the wrong type or out of range.
+    """
+    r = ConfigReader(hf, defaults)
+    num_layers = r.num_layers()
+    window = r.optional_integer("sliding_window", null_is_none=True)
+    layer_types = r.str_list("layer_types", LAYER_TYPES) or tuple(default_layer_types(num_layers))
     if window is None:
         layer_types = ("full_attention",) * num_layers
-    bias = bool(get("attention_bias"))
+    bias = r.boolean("attention_bias")
+    act_name = "hidden_activation" if r.raw("hidden_activation") is not None else "hidden_act"
     return ModelConfig(
         model_type=model_type,
-        vocab_size=get("vocab_size"),
-        hidden_size=get("hidden_size"),
+        vocab_size=r.integer("vocab_size"),
+        hidden_size=r.integer("hidden_size"),
         num_hidden_layers=num_layers,
-        num_attention_heads=get("num_attention_heads"),
-        num_key_value_heads=get("num_key_value_heads"),
-        head_dim=get("head_dim"),
-        intermediate_size=get("intermediate_size"),
-        max_position_embeddings=get("max_position_embeddings"),
+        num_attention_heads=r.integer("num_attention_heads"),
+        num_key_value_heads=r.integer("num_key_value_heads"),
+        head_dim=r.integer("head_dim"),
+        intermediate_size=r.integer("intermediate_size"),
+        max_position_embeddings=r.integer("max_position_embeddings"),
         sliding_window=window,
         layer_types=layer_types,
         rope=rope,
         local_rope=local_rope,
-        norm_eps=float(get("rms_norm_eps")),
-        hidden_act=get("hidden_activation") or get("hidden_act"),
+        norm_eps=r.number("rms_norm_eps"),
+        hidden_act=r.choice(act_name, HIDDEN_ACTS),
         qkv_bias=bias,
         out_bias=bias,
-        tie_word_embeddings=bool(get("tie_word_embeddings")),
-        query_pre_attn_scalar=float(get("query_pre_attn_scalar")),
-        attn_logit_softcapping=merged.get("attn_logit_softcapping"),
-        final_logit_softcapping=merged.get("final_logit_softcapping"),
+        tie_word_embeddings=r.boolean("tie_word_embeddings"),
+        query_pre_attn_scalar=r.number("query_pre_attn_scalar"),
+        attn_logit_softcapping=r.optional_number("attn_logit_softcapping", null_is_none=True),
+        final_logit_softcapping=r.optional_number("final_logit_softcapping", null_is_none=True),
         **common_fields(hf, generation, dtype),
     )
 
@@ -229,17 +242,14 @@ def gemma3_ropes(hf: Mapping[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     {...}}``; released checkpoints carry rope_theta (global, default 1e6),
     rope_local_base_freq (local, default 1e4) and rope_scaling (global layers only).
     """
-    params = hf.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = dict(params.get("full_attention") or {})
-        local = dict(params.get("sliding_attention") or {})
-        full.setdefault("rope_theta", 1_000_000.0)
-        local.setdefault("rope_theta", 10_000.0)
-        return rope_from_hf({"rope_parameters": full}), rope_from_hf({"rope_parameters": local})
-    global_rope = rope_from_hf(
-        {"rope_theta": hf.get("rope_theta", 1_000_000.0), "rope_scaling": hf.get("rope_scaling")}
-    )
-    return global_rope, RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+    top = ConfigReader(hf)
+    params = top.section("rope_parameters")
+    if params.has("full_attention") or params.has("sliding_attention"):
+        full = read_rope([params.section("full_attention")], None, 1_000_000.0)
+        local = read_rope([params.section("sliding_attention")], None, 10_000.0)
+        return full, local
+    global_rope = read_rope([top.section("rope_scaling")], top, 1_000_000.0)
+    return global_rope, RopeConfig(theta=top.number("rope_local_base_freq", default=10_000.0))
 
 
 class Gemma3ForCausalLM(_GemmaBase):
@@ -253,7 +263,7 @@ class Gemma3ForCausalLM(_GemmaBase):
     def config_from_hf(
         cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
     ) -> ModelConfig:
-        pattern = hf.get("sliding_window_pattern") or GEMMA3_DEFAULTS["sliding_window_pattern"]
+        pattern = ConfigReader(hf, GEMMA3_DEFAULTS).integer("sliding_window_pattern")
         rope, local_rope = gemma3_ropes(hf)
         return gemma_config(
             hf,

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig, common_fields
+from paged_jax.models.config import HIDDEN_ACTS, ConfigReader, ModelConfig, common_fields
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import MLP, LayerNorm
 from paged_jax.models.partitioning import (
@@ -76,30 +76,32 @@ class GPT2LMHeadModel(CausalLM):
     def config_from_hf(
         cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
     ) -> ModelConfig:
-        get = {**GPT2_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}.get
+        r = ConfigReader(hf, GPT2_DEFAULTS)
         unsupported = dict(
             scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True, add_cross_attention=True
         )
         for name, bad in unsupported.items():
-            if bool(get(name)) == bad:
-                raise ValueError(f"gpt2 config {name}={get(name)!r} is not supported")
-        hidden, heads = get("n_embd"), get("n_head")
+            if r.boolean(name) == bad:
+                raise ValueError(f"gpt2 config {name}={r.raw(name)!r} is not supported")
+        hidden, heads = r.integer("n_embd"), r.integer("n_head")
+        if hidden % heads:
+            raise r.fail("n_embd", hidden, f"a multiple of n_head={heads}")
         return ModelConfig(
             model_type="gpt2",
-            vocab_size=get("vocab_size"),
+            vocab_size=r.integer("vocab_size"),
             hidden_size=hidden,
-            num_hidden_layers=get("n_layer"),
+            num_hidden_layers=r.num_layers("n_layer"),
             num_attention_heads=heads,
             num_key_value_heads=heads,
             head_dim=hidden // heads,
-            intermediate_size=get("n_inner") or 4 * hidden,
-            max_position_embeddings=get("n_positions"),
-            norm_eps=float(get("layer_norm_epsilon")),
-            hidden_act=get("activation_function"),
+            intermediate_size=r.optional_integer("n_inner") or 4 * hidden,
+            max_position_embeddings=r.integer("n_positions"),
+            norm_eps=r.number("layer_norm_epsilon"),
+            hidden_act=r.choice("activation_function", HIDDEN_ACTS),
             qkv_bias=True,
             out_bias=True,
             mlp_bias=True,
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            tie_word_embeddings=r.boolean("tie_word_embeddings"),
             **common_fields(hf, generation, dtype),
         )
 

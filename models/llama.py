@@ -19,7 +19,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig, common_fields, rope_from_hf
+from paged_jax.models.config import (
+    HIDDEN_ACTS,
+    ConfigReader,
+    ModelConfig,
+    common_fields,
+    rope_from_hf,
+)
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.partitioning import (
     ATTENTION_RULES,
@@ -58,26 +64,31 @@ def llama_config(
     defaults: Mapping[str, Any],
     **overrides: Any,
 ) -> ModelConfig:
-    """Reads a Llama-style config.json; `overrides` set ModelConfig fields directly."""
-    get = {**defaults, **{k: v for k, v in hf.items() if v is not None}}.get
-    num_heads = get("num_attention_heads")
+    """Reads a Llama-style config.json; `overrides` set ModelConfig fields directly.
+
+    Raises:
+        ConfigFileError: naming the field of a value of the wrong type or out of range.
+    """
+    r = ConfigReader(hf, defaults)
+    hidden, num_heads = r.integer("hidden_size"), r.integer("num_attention_heads")
+    attention_bias = r.boolean("attention_bias")
     fields = dict(
         model_type=defaults["model_type"],
-        vocab_size=get("vocab_size"),
-        hidden_size=get("hidden_size"),
-        num_hidden_layers=get("num_hidden_layers"),
+        vocab_size=r.integer("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=r.num_layers(),
         num_attention_heads=num_heads,
-        num_key_value_heads=get("num_key_value_heads", num_heads),
-        head_dim=get("head_dim", get("hidden_size") // num_heads),
-        intermediate_size=get("intermediate_size"),
-        max_position_embeddings=get("max_position_embeddings"),
+        num_key_value_heads=r.integer("num_key_value_heads", default=num_heads),
+        head_dim=r.integer("head_dim", default=hidden // num_heads),
+        intermediate_size=r.integer("intermediate_size"),
+        max_position_embeddings=r.integer("max_position_embeddings"),
         rope=rope_from_hf(hf),
-        norm_eps=float(get("rms_norm_eps")),
-        hidden_act=get("hidden_act"),
-        qkv_bias=bool(get("attention_bias")),
-        out_bias=bool(get("attention_bias")),
-        mlp_bias=bool(get("mlp_bias")),
-        tie_word_embeddings=bool(get("tie_word_embeddings")),
+        norm_eps=r.number("rms_norm_eps"),
+        hidden_act=r.choice("hidden_act", HIDDEN_ACTS),
+        qkv_bias=attention_bias,
+        out_bias=attention_bias,
+        mlp_bias=r.boolean("mlp_bias"),
+        tie_word_embeddings=r.boolean("tie_word_embeddings"),
         **common_fields(hf, generation, dtype),
     )
     fields.update(overrides)

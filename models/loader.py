@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from paged_jax.models.config import ModelConfig, canonical_dtype
+from paged_jax.models.config import ConfigFileError, ModelConfig, canonical_dtype
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
 from paged_jax.models.partitioning import (
@@ -30,6 +31,13 @@ from paged_jax.models.partitioning import (
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule
+
+# A config file is a few kB; anything past this is not one (and is not read into memory).
+MAX_CONFIG_BYTES = 16 * 2**20
+
+
+class WeightCastWarning(UserWarning):
+    """A checkpoint tensor stored in another dtype than the model's was cast at load."""
 
 
 def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -45,24 +53,57 @@ def read_hf_config(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, 
             f"no config.json in {path} (expected a Hugging Face model directory)"
         )
     generation_file = path / "generation_config.json"
-    generation = _read_json(generation_file) if generation_file.is_file() else {}
-    return _read_json(config_file), generation
+    generation = read_json_object(generation_file) if generation_file.is_file() else {}
+    return read_json_object(config_file), generation
 
 
-def _read_json(file: pathlib.Path) -> dict[str, Any]:
+def read_json_object(file: pathlib.Path) -> dict[str, Any]:
+    """The JSON object in `file`.
+
+    Raises:
+        ValueError: naming the file when it is too large, not UTF-8 JSON, nested too
+            deeply for the parser, or not an object.
+    """
+    size = file.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{file} is {size} bytes: not a config file (limit {MAX_CONFIG_BYTES})")
     try:
         value = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{file} is not valid JSON: {err}") from err
+    except RecursionError as err:
+        raise ValueError(f"{file} is not a config file: its JSON is nested too deeply") from err
     if not isinstance(value, dict):
         raise ValueError(f"{file} must hold a JSON object, not {type(value).__name__}")
     return value
 
 
+def family_config(
+    path: str | pathlib.Path, dtype: str = "float32"
+) -> tuple[type[CausalLM], ModelConfig]:
+    """(model class, ModelConfig) of a checkpoint directory, every config field checked.
+
+    Raises:
+        FileNotFoundError: no config.json.
+        ValueError: unsupported architecture or dtype; a field of config.json or
+            generation_config.json of the wrong type or out of its domain, as
+            "PATH/config.json: field=value must be ..." (a ConfigFileError).
+    """
+    path = pathlib.Path(path)
+    dtype = canonical_dtype(dtype)
+    hf, generation = read_hf_config(path)
+    cls = model_class_for(hf)
+    try:
+        return cls, cls.config_from_hf(hf, generation, dtype)
+    except ConfigFileError as err:
+        raise ConfigFileError(path / str(err.file), err.message) from err
+    except ValueError as err:  # ModelConfig's own checks: the values came from config.json
+        raise ConfigFileError(path / "config.json", str(err)) from err
+
+
 def load_config(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
     """The ModelConfig of a checkpoint directory, without reading any weights."""
-    hf, generation = read_hf_config(path)
-    return model_class_for(hf).config_from_hf(hf, generation, canonical_dtype(dtype))
+    return family_config(path, dtype)[1]
 
 
 def _canonical_names(
@@ -185,17 +226,54 @@ def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelCo
         FileNotFoundError / ValueError: as load_model, naming the file or tensor.
     """
     path = pathlib.Path(path)
-    hf, generation = read_hf_config(path)
-    cls = model_class_for(hf)
-    config = cls.config_from_hf(hf, generation, canonical_dtype(dtype))
+    cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
-    names, _ = _canonical_names(list(checkpoint.shapes), cls, config)
+    names = _checked_names(checkpoint, cls, config, path)
     check_checkpoint(
         cls.weight_rules(config),
         {name: checkpoint.shapes[key] for name, key in names.items()},
         str(path),
     )
     return config
+
+
+def _checked_names(
+    checkpoint: SafetensorsCheckpoint, cls: type[CausalLM], config: ModelConfig, path: pathlib.Path
+) -> dict[str, str]:
+    """Table name -> checkpoint key, after a cheap check that the layer count is possible.
+
+    Every layer holds at least one tensor: a config.json claiming more layers than the
+    checkpoint has tensors is refused before a weight table of that many layers is built.
+    """
+    if config.num_hidden_layers > len(checkpoint.shapes):
+        raise ValueError(
+            f"{path / 'config.json'}: num_hidden_layers={config.num_hidden_layers} cannot "
+            f"match a checkpoint of {len(checkpoint.shapes)} tensors (at least one per layer)"
+        )
+    return _canonical_names(list(checkpoint.shapes), cls, config)[0]
+
+
+def warn_casts(casts: Sequence[tuple[str, str, str]], dtype: str) -> None:
+    """One WeightCastWarning per stored dtype, naming its tensors and their files.
+
+    Args:
+        casts: (tensor name, file, stored dtype) of every tensor that was cast.
+        dtype: the model dtype they were cast to.
+    """
+    by_dtype: dict[str, list[tuple[str, str]]] = {}
+    for name, file, stored in casts:
+        by_dtype.setdefault(stored, []).append((name, file))
+    for stored, tensors in by_dtype.items():
+        names = ", ".join(repr(name) for name, _ in tensors[:3])
+        more = f" and {len(tensors) - 3} more" if len(tensors) > 3 else ""
+        files = ", ".join(dict.fromkeys(file for _, file in tensors))
+        exact = stored in ("bfloat16", "float16") and dtype == "float32"
+        warnings.warn(
+            f"{len(tensors)} weight tensor(s) stored as {stored} cast to {dtype} "
+            f"({'exact' if exact else 'values may change'}): {names}{more} in {files}",
+            WeightCastWarning,
+            stacklevel=3,
+        )
 
 
 def load_model(
@@ -228,12 +306,10 @@ def load_model(
     """
     path = pathlib.Path(path)
     dtype = canonical_dtype(dtype)
-    hf, generation = read_hf_config(path)
-    cls = model_class_for(hf)
-    config = cls.config_from_hf(hf, generation, dtype)
-    rules = cls.weight_rules(config)
+    cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
-    names, _ = _canonical_names(list(checkpoint.shapes), cls, config)
+    names = _checked_names(checkpoint, cls, config, path)
+    rules = cls.weight_rules(config)
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
@@ -252,8 +328,14 @@ def load_model(
         def place(param_path: Any, value: np.ndarray) -> Any:
             return jax.device_put(value.astype(np_dtype), shardings[tuple(param_path)])
 
+    target = np.dtype(jnp.dtype(dtype))
+    casts: list[tuple[str, str, str]] = []
+
     def read(name: str) -> np.ndarray:
-        return checkpoint.read(names[name])
+        array = checkpoint.read(names[name])
+        if array.dtype != target:
+            casts.append((names[name], str(checkpoint.file_of(names[name])), array.dtype.name))
+        return array
 
     try:
         model = fill_params(graphdef, state, rules, read, dtype, place)
@@ -263,6 +345,7 @@ def load_model(
         key = re.search(r"tensor '([^']+)'", str(err))
         file = checkpoint.file_of(names[key.group(1)]) if key and key.group(1) in names else path
         raise ValueError(f"{err} (weights file {file})") from err
+    warn_casts(casts, dtype)
     if kv_scales is not None:  # used when the engine's kv_cache_dtype is fp8
         model.kv_cache_scales = as_scale_pairs(kv_scales)
     return model

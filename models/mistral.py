@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import ConfigReader, ModelConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.llama import (
     LLAMA_DEFAULTS,
@@ -40,7 +40,8 @@ class MistralForCausalLM(CausalLM):
     ) -> ModelConfig:
         # HF MistralConfig defaults sliding_window to 4096 when the key is absent; an
         # explicit null means full attention (Mistral 7B v0.2 and later).
-        window = hf.get("sliding_window", 4096)
+        reader = ConfigReader(hf)
+        window = reader.optional_integer("sliding_window", default=4096, null_is_none=True)
         return llama_config(
             hf,
             generation,

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig, common_fields
+from paged_jax.models.config import HIDDEN_ACTS, ConfigReader, ModelConfig, common_fields
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import MLP, LayerNorm
 from paged_jax.models.partitioning import (
@@ -78,31 +78,34 @@ class OPTForCausalLM(CausalLM):
     def config_from_hf(
         cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
     ) -> ModelConfig:
-        get = {**OPT_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}.get
-        if not get("layer_norm_elementwise_affine"):
+        r = ConfigReader(hf, OPT_DEFAULTS)
+        if not r.boolean("layer_norm_elementwise_affine"):
             raise ValueError("opt config layer_norm_elementwise_affine=False is not supported")
-        hidden, heads = get("hidden_size"), get("num_attention_heads")
-        embed_dim = get("word_embed_proj_dim") or hidden
-        pre_norm = bool(get("do_layer_norm_before"))
+        hidden, heads = r.integer("hidden_size"), r.integer("num_attention_heads")
+        if hidden % heads:
+            raise r.fail("hidden_size", hidden, f"a multiple of num_attention_heads={heads}")
+        embed_dim = r.optional_integer("word_embed_proj_dim") or hidden
+        pre_norm = r.boolean("do_layer_norm_before")
+        bias = r.boolean("enable_bias")
         return ModelConfig(
             model_type="opt",
-            vocab_size=get("vocab_size"),
+            vocab_size=r.integer("vocab_size"),
             hidden_size=hidden,
-            num_hidden_layers=get("num_hidden_layers"),
+            num_hidden_layers=r.num_layers(),
             num_attention_heads=heads,
             num_key_value_heads=heads,
             head_dim=hidden // heads,
-            intermediate_size=get("ffn_dim"),
-            max_position_embeddings=get("max_position_embeddings"),
+            intermediate_size=r.integer("ffn_dim"),
+            max_position_embeddings=r.integer("max_position_embeddings"),
             norm_eps=1e-5,  # torch.nn.LayerNorm's default, which OPT uses
-            hidden_act=get("activation_function"),
-            qkv_bias=bool(get("enable_bias")),
-            out_bias=bool(get("enable_bias")),
-            mlp_bias=bool(get("enable_bias")),
+            hidden_act=r.choice("activation_function", HIDDEN_ACTS),
+            qkv_bias=bias,
+            out_bias=bias,
+            mlp_bias=bias,
             pre_norm=pre_norm,
-            final_norm=pre_norm and not get("_remove_final_layer_norm"),
+            final_norm=pre_norm and not r.boolean("_remove_final_layer_norm"),
             word_embed_proj_dim=embed_dim if embed_dim != hidden else None,
-            tie_word_embeddings=bool(get("tie_word_embeddings")),
+            tie_word_embeddings=r.boolean("tie_word_embeddings"),
             **common_fields(hf, generation, dtype),
         )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import LAYER_TYPES, ConfigReader, ModelConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.llama import (
     LLAMA_DEFAULTS,
@@ -33,17 +33,20 @@ QWEN2_DEFAULTS: dict[str, Any] = dict(
 
 def qwen2_layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[tuple[str, ...], int | None]:
     """(layer_types, sliding_window): windows only with use_sliding_window, on layers >= max_window_layers."""
-    get = {**QWEN2_DEFAULTS, **{k: v for k, v in hf.items() if v is not None}}.get
-    window = get("sliding_window") if get("use_sliding_window") else None
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention"
-        if window is not None and i >= get("max_window_layers")
-        else "full_attention"
-        for i in range(num_layers)
-    ]
+    r = ConfigReader(hf, QWEN2_DEFAULTS)
+    window = r.integer("sliding_window") if r.boolean("use_sliding_window") else None
+    layer_types = r.str_list("layer_types", LAYER_TYPES)
+    if layer_types is None:
+        first_window_layer = r.integer("max_window_layers", minimum=0)
+        layer_types = tuple(
+            "sliding_attention"
+            if window is not None and i >= first_window_layer
+            else "full_attention"
+            for i in range(num_layers)
+        )
     if "sliding_attention" not in layer_types:
         window = None
-    return tuple(layer_types), window
+    return layer_types, window
 
 
 class Qwen2ForCausalLM(CausalLM):
@@ -57,7 +60,7 @@ class Qwen2ForCausalLM(CausalLM):
     def config_from_hf(
         cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
     ) -> ModelConfig:
-        num_layers = hf.get("num_hidden_layers") or QWEN2_DEFAULTS["num_hidden_layers"]
+        num_layers = ConfigReader(hf, QWEN2_DEFAULTS).num_layers()
         layer_types, window = qwen2_layer_types(hf, num_layers)
         return llama_config(
             hf,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import ConfigReader, ModelConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.layers import RMSNorm
 from paged_jax.models.llama import (
@@ -56,7 +56,7 @@ class Qwen3ForCausalLM(CausalLM):
     def config_from_hf(
         cls, hf: Mapping[str, Any], generation: Mapping[str, Any], dtype: str
     ) -> ModelConfig:
-        num_layers = hf.get("num_hidden_layers") or QWEN3_DEFAULTS["num_hidden_layers"]
+        num_layers = ConfigReader(hf, QWEN3_DEFAULTS).num_layers()
         layer_types, window = qwen2_layer_types(hf, num_layers)
         return llama_config(
             hf,
