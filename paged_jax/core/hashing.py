@@ -5,7 +5,9 @@ Pure Python (hashlib / xxhash); never imports jax.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import sys
 from array import array
 from collections.abc import Callable
@@ -19,8 +21,9 @@ BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = NewType("BlockHashWithGroupId", bytes)
 """A BlockHash followed by the 4-byte big-endian KV-cache group id: the pool's map key."""
 
-# Fixed, process-independent seed: two processes (or two runs) with the same tokens
-# produce the same hashes, whatever PYTHONHASHSEED says. See docs/host_block_stack.md.
+# sha256's fixed, process-independent seed: two processes (or two runs) with the same
+# tokens produce the same hashes, whatever PYTHONHASHSEED says. xxhash is seeded per
+# process instead (xxhash_none_seed). See docs/host_block_stack.md.
 _NONE_HASH_SEED = b"paged-jax/none-hash/v1"
 
 # Token ids are packed as little-endian int64 so the bytes do not depend on the host.
@@ -54,9 +57,27 @@ def get_hash_fn(hash_algo: str) -> Callable[[bytes], bytes]:
     raise ValueError(f"hash_algo={hash_algo!r} must be one of {HASH_ALGOS}")
 
 
+@functools.cache
+def xxhash_none_seed() -> bytes:
+    """The bytes xxhash's first-block parent is hashed from in this process (vLLM's rule).
+
+    xxhash is not collision resistant: with a public seed, colliding prompts could be
+    built offline to be served another prompt's cached KV. So the seed is random per
+    process unless PYTHONHASHSEED is set (not "random"), which makes runs reproducible.
+    """
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is None or seed == "random":
+        return os.urandom(32)
+    return _NONE_HASH_SEED + b"/" + seed.encode()
+
+
 def none_hash(hash_algo: str = "sha256") -> BlockHash:
-    """The parent hash of a request's first block for the given algorithm."""
-    return BlockHash(get_hash_fn(hash_algo)(_NONE_HASH_SEED))
+    """The parent hash of a request's first block for the given algorithm.
+
+    sha256: the same in every process. xxhash: per process (see xxhash_none_seed).
+    """
+    seed = xxhash_none_seed() if hash_algo == "xxhash" else _NONE_HASH_SEED
+    return BlockHash(get_hash_fn(hash_algo)(seed))
 
 
 NONE_HASH: BlockHash = BlockHash(_sha256_digest(_NONE_HASH_SEED))
