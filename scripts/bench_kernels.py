@@ -150,7 +150,7 @@ def run_gpu(args) -> int:
     import numpy as np
 
     import pallas_kernels as pk
-    from pallas_kernels import reference
+    from pallas_kernels import reference, roofline
 
     device = jax.devices()[0]
     peak = args.peak_gbps or peak_gbps(device.device_kind) or H200_PEAK_GBPS
@@ -194,6 +194,16 @@ def run_gpu(args) -> int:
             tables, lens = make_tables(rng, [context] * batch, num_blocks)
             q = jax.random.normal(key, (batch, NUM_Q_HEADS, HEAD_DIM), dtype)
             nbytes = kv_bytes([context] * batch, dtype.itemsize)
+            # Every byte the call must move (K/V, q, output, tables) at the device's peak.
+            floor = roofline.decode_traffic(
+                [context] * batch,
+                num_q_heads=NUM_Q_HEADS,
+                num_kv_heads=NUM_KV_HEADS,
+                head_dim=HEAD_DIM,
+                block_size=BLOCK_SIZE,
+                cache_itemsize=dtype.itemsize,
+                q_itemsize=dtype.itemsize,
+            )
             fns = {
                 "pallas": partial(
                     lambda q, t, s: pk.paged_attention(q, k_cache, v_cache, t, s, scale=scale),
@@ -214,6 +224,7 @@ def run_gpu(args) -> int:
                 )
             for impl in IMPLS:
                 row = dict(batch=batch, context=context, impl=impl, kv_bytes=nbytes)
+                row["roofline_us"] = floor.seconds(peak * 1e9) * 1e6
                 if impl not in fns:
                     row["skipped"] = (
                         "jax.experimental.pallas.ops.gpu.paged_attention not importable"
@@ -227,11 +238,13 @@ def run_gpu(args) -> int:
                         gbps = nbytes / seconds / 1e9
                         row.update(calls_per_loop=n, us=seconds * 1e6, gbps=gbps)
                         row["frac_peak"] = gbps / peak
+                        row["frac_roofline"] = floor.fraction(seconds, peak * 1e9)
                     except Exception as e:  # noqa: BLE001 - keep measuring the other cells
                         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 report.add(row)
                 shown = (
-                    f"{row['us']:9.1f} us {row['gbps']:7.0f} GB/s {100 * row['frac_peak']:5.1f}%"
+                    f"{row['us']:9.1f} us {row['gbps']:7.0f} GB/s {100 * row['frac_peak']:5.1f}% "
+                    f"(roofline {row['roofline_us']:.1f} us: {100 * row['frac_roofline']:5.1f}%)"
                     if "us" in row
                     else row.get("error", row.get("skipped", ""))[:70]
                 )

@@ -26,5 +26,8 @@ fi
 .venv312/bin/python -m pip install --quiet --disable-pip-version-check \
   --upgrade --upgrade-strategy eager -e '.[test-base]'
 .venv312/bin/python -c 'import sys, jax, flax; print(f"test_newest_jax: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
+# CPU only: this venv may also hold the CUDA plugin of scripts/gpu_compile_check.sh, which
+# without a GPU would print a cuDNN traceback at jax's first use and then fall back anyway.
+export JAX_PLATFORMS=cpu
 exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
   tests/pallas_kernels tests/core tests/worker tests/engine tests/models tests/llm "$@"

@@ -1,0 +1,126 @@
+"""Bandwidth roofline of the paged kernels: the bytes each must move, and that time on an H200.
+
+Every kernel here is memory-bound at the shapes users run (decode reads each K/V byte
+once and does ~2 flops per byte per q head), so its floor is ``bytes / bandwidth``. A
+measured time reads as ``roofline_seconds / measured_seconds``: 1.0 is the HBM limit.
+
+Counted: each operand's bytes read and written once (K/V of every visible key, q, the
+output, block-table and length entries). Not counted: split-K partials and their
+combine, padding rows, re-reads a kernel may do. Plain Python: no jax, so the benchmark,
+the compile check and host code can all use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+H200_BYTES_PER_S = 4.8e12  # HBM3e peak, 4.8 TB/s
+INT32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one kernel call must move: K/V (the dominant term) and everything else."""
+
+    kv_bytes: int
+    other_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv_bytes + self.other_bytes
+
+    def seconds(self, bytes_per_s: float = H200_BYTES_PER_S) -> float:
+        """The roofline time: every byte at peak bandwidth."""
+        return self.total_bytes / bytes_per_s
+
+    def fraction(self, measured_seconds: float, bytes_per_s: float = H200_BYTES_PER_S) -> float:
+        """roofline / measured time: the share of peak bandwidth a measured call reached."""
+        if measured_seconds <= 0:
+            raise ValueError(f"measured_seconds={measured_seconds!r} must be > 0")
+        return self.seconds(bytes_per_s) / measured_seconds
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def visible_keys(context: int, q_len: int, sliding_window: int | None) -> int:
+    """Keys a sequence's q_len newest tokens see together, out of a `context`-token
+    history: all of them, or (with a window) those at positions >= first query - window + 1."""
+    if sliding_window is None:
+        return context
+    first_query = context - q_len
+    return context - max(0, first_query - sliding_window + 1)
+
+
+def attention_traffic(
+    seq_lens: Sequence[int],
+    q_lens: Sequence[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_itemsize: int,
+    q_itemsize: int,
+    sliding_window: int | None = None,
+) -> Traffic:
+    """Ragged (or decode, with q_lens all 1) paged attention.
+
+    Args:
+        seq_lens: Each sequence's context, its new tokens included.
+        q_lens: Each sequence's new tokens (1 for a decode).
+        cache_itemsize, q_itemsize: Bytes per element of the cache (1 for fp8) and of
+            q / the output.
+    """
+    if len(seq_lens) != len(q_lens):
+        raise ValueError(f"seq_lens ({len(seq_lens)}) and q_lens ({len(q_lens)}) must pair up")
+    keys = sum(visible_keys(c, q, sliding_window) for c, q in zip(seq_lens, q_lens))
+    kv = 2 * keys * num_kv_heads * head_dim * cache_itemsize  # K and V
+    rows = sum(q_lens)
+    q_and_out = 2 * rows * num_q_heads * head_dim * q_itemsize
+    pages = sum(_cdiv(c, block_size) for c in seq_lens)
+    metadata = (pages + 2 * len(seq_lens) + 1) * INT32_BYTES  # tables, lens, query starts
+    return Traffic(kv, q_and_out + metadata)
+
+
+def decode_traffic(
+    contexts: Sequence[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_itemsize: int,
+    q_itemsize: int,
+    sliding_window: int | None = None,
+) -> Traffic:
+    """Decode attention: one new token per sequence (``attention_traffic`` with q_len 1)."""
+    return attention_traffic(
+        contexts,
+        [1] * len(contexts),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        cache_itemsize=cache_itemsize,
+        q_itemsize=q_itemsize,
+        sliding_window=sliding_window,
+    )
+
+
+def write_kv_traffic(
+    num_tokens: int, *, num_kv_heads: int, head_dim: int, in_itemsize: int, cache_itemsize: int
+) -> Traffic:
+    """KV write: read new K and V rows and their slots, write them into the caches."""
+    elems = 2 * num_tokens * num_kv_heads * head_dim
+    return Traffic(elems * cache_itemsize, elems * in_itemsize + num_tokens * INT32_BYTES)
+
+
+def copy_blocks_traffic(
+    num_copies: int, *, num_kv_heads: int, block_size: int, head_dim: int, itemsize: int
+) -> Traffic:
+    """Block copy: read and write whole K and V blocks (all heads), plus the id pairs."""
+    block = num_kv_heads * block_size * head_dim * itemsize
+    return Traffic(2 * 2 * num_copies * block, 2 * num_copies * INT32_BYTES)
