@@ -39,6 +39,9 @@ MIN_SEQ_BUCKET = 8
 # so it is refused before it is tokenized; the CLI's prompts-file line limit derives
 # from it too. Only a tokenizer whose normalizer deletes text could beat the bound.
 PROMPT_BYTES_PER_TOKEN = 128
+# The sampler's id for a row whose logits were not all finite; it rides in the sampled
+# ids the host copies anyway, and the runner turns it into StepResult.nonfinite.
+NONFINITE_TOKEN_ID = -1
 
 
 def cdiv(a: int, b: int) -> int:

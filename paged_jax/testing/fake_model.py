@@ -6,6 +6,8 @@ attends uniformly over the visible keys, so the attention output is the mean id 
 context, which times (p + 1) is the sum. A scheduler, block-table or slot-mapping bug
 that loses or corrupts a cached token changes the output, yet any test can predict
 the right answer with a few lines of Python (`SumModel.reference_continuation`).
+With `nonfinite_token_id` set, a sequence whose last token is that id gets one
+non-finite logit (the engine's non-finite flag is tested with it).
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ class SumModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_hidden_layers: int = 1
     dtype: str = "float32"
+    # A sequence whose last scheduled token is this id gets the logit of its next token
+    # set to float(nonfinite_logit): "nan", "inf" or "-inf" (a string, so the frozen
+    # config stays equal to itself; NaN != NaN).
+    nonfinite_token_id: int | None = None
+    nonfinite_logit: str = "nan"
 
 
 class SumModel(nnx.Module):
@@ -97,4 +104,10 @@ class SumModel(nnx.Module):
         target = jnp.mod(total, vocab)  # i32[S]
         # A peaked distribution: greedy picks target, sampling mostly does too.
         dist = jnp.abs(jnp.arange(vocab)[None, :] - target[:, None]).astype(jnp.float32)
-        return -dist, new_caches
+        logits = -dist
+        bad = self.config.nonfinite_token_id
+        if bad is not None:
+            hit = token_ids[attn_metadata.logits_indices] == bad  # bool[S]
+            at_target = hit[:, None] & (dist == 0)
+            logits = jnp.where(at_target, float(self.config.nonfinite_logit), logits)
+        return logits, new_caches

@@ -9,6 +9,7 @@ place. Every input has a bucketed shape, so `warmup()` compiles every
 bucket (and every decode-only bucket) once and serving never compiles again; a global
 listener on jax's compile events keeps an honest count. With `EngineConfig.validate`
 the step is checkified: a bad block id or slot raises instead of corrupting the cache.
+Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jax.experimental import checkify
 
 import pallas_kernels
 from paged_jax.config import EngineConfig
+from paged_jax.constants import NONFINITE_TOKEN_ID
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
 from paged_jax.worker.input_batch import decode_step_shapes
@@ -112,7 +114,8 @@ def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
 #     step N+1:  token_ids[t] = row_tokens[token_rows[t]] where token_rows[t] >= 0
 #
 # Both are fixed-shape gathers/scatters: no new shapes, no host round trip. The
-# synchronous engine passes token_rows = -1 everywhere.
+# synchronous engine passes token_rows = -1 everywhere. A non-finite row's sample
+# (NONFINITE_TOKEN_ID) is stored as token 0, so the next step always reads a real id.
 
 
 def copy_kv_blocks(
@@ -138,15 +141,19 @@ def feed_tokens(row_tokens: jax.Array, token_ids: jax.Array, token_rows: jax.Arr
 
 
 def record_tokens(row_tokens: jax.Array, sampled: jax.Array, sample_rows: jax.Array) -> jax.Array:
-    """row_tokens with each sequence's sample stored at its row (out-of-range rows dropped)."""
-    return row_tokens.at[sample_rows].set(sampled, mode="drop")
+    """row_tokens with each sequence's sample stored at its row (out-of-range rows dropped).
+
+    A NONFINITE_TOKEN_ID sample is stored as token 0.
+    """
+    return row_tokens.at[sample_rows].set(jnp.maximum(sampled, 0), mode="drop")
 
 
 class PendingStep:
     """A dispatched step whose sampler outputs are being copied to the host.
 
     with_logprobs=False copies only the sampled ids (each copied output costs host
-    time every step); the result's logprob fields are then None.
+    time every step); the result's logprob fields are then None. The non-finite flags
+    ride in those ids (NONFINITE_TOKEN_ID), so they cost no copy of their own.
     """
 
     def __init__(self, out: SamplerOutput, num_seqs: int, with_logprobs: bool = True):
@@ -163,14 +170,25 @@ class PendingStep:
         """Waits for the step and returns the samples of its real sequences."""
         n = self._num_seqs
         if not self._with_logprobs:
-            return StepResult(np.asarray(self._out.token_ids)[:n], None, None, None)
+            token_ids, nonfinite = _split_nonfinite(np.asarray(self._out.token_ids)[:n])
+            return StepResult(token_ids, None, None, None, nonfinite)
         out = jax.device_get(self._out)
+        token_ids, nonfinite = _split_nonfinite(np.asarray(out.token_ids[:n]))
         return StepResult(
-            np.asarray(out.token_ids[:n]),
+            token_ids,
             np.asarray(out.logprobs[:n]),
             np.asarray(out.top_token_ids[:n]),
             np.asarray(out.top_logprobs[:n]),
+            nonfinite,
         )
+
+
+def _split_nonfinite(sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(ids with token 0 on non-finite rows, bool flags) from the sampler's marked ids."""
+    nonfinite = sampled == NONFINITE_TOKEN_ID
+    if nonfinite.any():  # rare: copy only then (the host copy may be read-only)
+        sampled = np.where(nonfinite, 0, sampled).astype(sampled.dtype)
+    return sampled, nonfinite
 
 
 @dataclasses.dataclass
@@ -178,12 +196,17 @@ class StepResult:
     """Host copies of the sampler's outputs for the real (unpadded) sequences.
 
     The logprob fields are None for a step dispatched with with_logprobs=False.
+    ``nonfinite[s]`` is True where sequence s's logits held a NaN or an infinity (broken
+    weights or config); its token is then 0 and its logprobs NaN, and the request
+    should end with an error rather than keep the token. The runner always sets it
+    (all False on a healthy step); None only in a result built without a runner.
     """
 
     token_ids: np.ndarray  # i32[num_seqs]
     logprobs: np.ndarray | None  # f32[num_seqs]
     top_token_ids: np.ndarray | None  # i32[num_seqs, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None  # f32[num_seqs, MAX_LOGPROBS]
+    nonfinite: np.ndarray | None = None  # bool[num_seqs]
 
 
 class Runner:

@@ -2,7 +2,9 @@
 
 Every row draws from its own PRNG key, fold_in(PRNGKey(seed), num_generated), so a
 request's samples depend only on its seed, its logits and how many tokens it has
-made, never on what else shares the batch.
+made, never on what else shares the batch. A row whose raw logits are not all finite
+gets NONFINITE_TOKEN_ID, NaN log-probabilities and top ids 0: one reduction per step,
+carried in the sampled ids the host copies anyway.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from paged_jax.constants import NONFINITE_TOKEN_ID
 from paged_jax.sampling_params import MAX_LOGPROBS
 from paged_jax.worker.step_input import SamplingMetadata
 
@@ -25,10 +28,12 @@ __all__ = [
 
 
 class SamplerOutput(NamedTuple):
-    token_ids: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]; log-prob of the sampled token under the raw distribution
-    top_token_ids: jax.Array  # i32[S, MAX_LOGPROBS]
-    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]
+    """The sampler's per-row outputs; a row with a non-finite logit has the values noted."""
+
+    token_ids: jax.Array  # i32[S]; NONFINITE_TOKEN_ID on a non-finite row
+    logprobs: jax.Array  # f32[S]; sampled token's log-prob (raw distribution); NaN there
+    top_token_ids: jax.Array  # i32[S, MAX_LOGPROBS]; 0 there
+    top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]; NaN there
 
 
 def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
@@ -162,9 +167,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
     Returns:
         SamplerOutput with the sampled ids and their raw log-probabilities, plus the
-        top MAX_LOGPROBS log-probabilities of each row.
+        top MAX_LOGPROBS log-probabilities of each row. A row whose raw logits hold a
+        NaN or an infinity (checked before bans, which add -inf on purpose) gets
+        NONFINITE_TOKEN_ID and NaN log-probabilities instead, whatever it would have drawn.
     """
     logits = logits.astype(jnp.float32)
+    # One reduction per step, over the rows the log-softmax reads anyway.
+    nonfinite = ~jnp.isfinite(logits).all(axis=-1)  # bool[S]
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     logits = _ban_tokens(logits, meta.masked_token_ids)
     logits = _maybe_penalize(logits, meta)
@@ -185,4 +194,10 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     k = min(MAX_LOGPROBS, logits.shape[-1])
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
-    return SamplerOutput(token_ids, token_logprobs, top_ids.astype(jnp.int32), top_logprobs)
+    bad = nonfinite[:, None]
+    return SamplerOutput(
+        jnp.where(nonfinite, NONFINITE_TOKEN_ID, token_ids),
+        jnp.where(nonfinite, jnp.nan, token_logprobs),
+        jnp.where(bad, 0, top_ids.astype(jnp.int32)),
+        jnp.where(bad, jnp.nan, top_logprobs),
+    )
