@@ -8,6 +8,7 @@ exhausting the machine's memory.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -98,7 +99,7 @@ def test_hostile_template_is_stopped_with_a_clear_error(source, match):
     out = render_in_subprocess(source)
     assert out["error"] is not None, out
     assert out["error"].startswith(("ValueError: chat template", "ChatTemplateLimitError")), out
-    assert __import__("re").search(match, out["error"]), out
+    assert re.search(match, out["error"]), out
     assert out["seconds"] < TIME_LIMIT_S + 5.0, out
 
 
@@ -143,26 +144,24 @@ MESSAGES = [{"role": "user", "content": "Grüße", "meta": {"b": 1, "a": [1, 2]}
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("jinja_kwargs", "python_kwargs"),
     [
-        "",
-        "indent=2",
-        "indent='\\t'",
-        "separators=[',', ':']",
-        "sort_keys=true",
-        "ensure_ascii=true",
-        "indent=4, separators=(',', ': '), sort_keys=true, ensure_ascii=false",
+        ("", {}),
+        ("indent=2", {"indent": 2}),
+        ("indent='\\t'", {"indent": "\t"}),
+        ("separators=[',', ':']", {"separators": (",", ":")}),
+        ("sort_keys=true", {"sort_keys": True}),
+        ("ensure_ascii=true", {"ensure_ascii": True}),
+        (
+            "indent=4, separators=(',', ': '), sort_keys=true, ensure_ascii=false",
+            {"indent": 4, "separators": (",", ": "), "sort_keys": True},
+        ),
     ],
 )
-def test_tojson_takes_transformers_keyword_arguments(kwargs):
-    template = ChatTemplate("{{ messages[0]['meta'] | tojson(" + kwargs + ") }}")
-    values = dict(
-        eval(f"dict({kwargs.replace('true', 'True').replace('false', 'False')})")  # noqa: S307
-    )
-    values.setdefault("ensure_ascii", False)
-    if "separators" in values:
-        values["separators"] = tuple(values["separators"])
-    assert template.render(MESSAGES) == json.dumps(MESSAGES[0]["meta"], **values)
+def test_tojson_takes_transformers_keyword_arguments(jinja_kwargs, python_kwargs):
+    template = ChatTemplate("{{ messages[0]['meta'] | tojson(" + jinja_kwargs + ") }}")
+    expected = json.dumps(MESSAGES[0]["meta"], **{"ensure_ascii": False, **python_kwargs})
+    assert template.render(MESSAGES) == expected
     assert ChatTemplate("{{ messages[0]['content'] | tojson }}").render(MESSAGES) == '"Grüße"'
 
 
