@@ -278,6 +278,19 @@ def default_num_splits(num_programs: int, max_context: int, block_k: int) -> int
     return max(1, min(target // max(num_programs, 1), pl.cdiv(max_context, per_split), 32))
 
 
+def default_num_warps(rows: int, block_k: int, head_dim: int) -> int:
+    """Warps for one program: 8 when its q and K/V tiles are large, else 4.
+
+    rows: query rows of the program's tile (query tokens x q heads per KV head);
+    block_k: keys per step. A program holds a rows x head_dim accumulator and streams
+    block_k x head_dim K/V tiles; past (rows + block_k) * head_dim = 24,576 elements
+    (e.g. 128 rows at head_dim 128, or decode at head_dim 256) 4 warps exceed the
+    255-register budget on sm_90 and spill, while 8 warps fit
+    (scripts/gpu_compile_check.py).
+    """
+    return 8 if (rows + block_k) * head_dim >= 24_576 else 4
+
+
 def check_tiling(head_dim: int, **knobs: int) -> None:
     """Triton loads need power-of-two extents; dots need at least 16 along each side."""
     if head_dim & (head_dim - 1) or head_dim < 16:

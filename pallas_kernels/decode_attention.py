@@ -19,6 +19,7 @@ from pallas_kernels._attention_kernel import (
     check_tiling,
     combine_splits,
     default_num_splits,
+    default_num_warps,
     group_queries,
     paged_flash_attention,
     ungroup_output,
@@ -55,7 +56,7 @@ def paged_attention(
     v_scale=None,
     block_k: int | None = None,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool = False,
     validate: bool = False,
@@ -75,7 +76,8 @@ def paged_attention(
             multiple of block_size). None: 128 for 16-bit caches, 64 for f32.
         num_splits: Split-K factor; None picks one from the static shapes (each split
             >= 512 keys, about 2 programs per SM).
-        num_warps, num_stages: Triton compiler params; num_stages None: 3 for 16-bit
+        num_warps, num_stages: Triton compiler params; num_warps None: 4, or 8 for large
+            tiles (``default_num_warps``); num_stages None: 3 for 16-bit
             caches, 2 for f32 (shared memory: stages x 2 K/V tiles must fit 227 KB).
             Defaults are reasoned for the H200, not yet measured (docs/kernels.md).
         interpret: Run the Pallas interpreter (CPU tests).
@@ -110,6 +112,8 @@ def paged_attention(
     if num_splits is None:
         num_splits = default_num_splits(num_seqs * num_kv_heads, max_context, block_k)
     heads = max(16, pl.next_power_of_2(num_q_heads // num_kv_heads))
+    if num_warps is None:
+        num_warps = default_num_warps(heads, block_k, head_dim)
     seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
     o, lse = paged_flash_attention(
         group_queries(q, num_kv_heads, heads, num_seqs),

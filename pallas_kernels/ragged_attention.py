@@ -24,6 +24,7 @@ from pallas_kernels._attention_kernel import (
     check_tiling,
     combine_splits,
     default_num_splits,
+    default_num_warps,
     group_queries,
     paged_flash_attention,
     ungroup_output,
@@ -80,7 +81,7 @@ def ragged_paged_attention(
     block_q: int = 16,
     block_k: int = 64,
     num_splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     interpret: bool = False,
     validate: bool = False,
@@ -123,6 +124,8 @@ def ragged_paged_attention(
     block_k = max(block_k, 16)
     heads = pl.next_power_of_2(num_q_heads // num_kv_heads)
     block_q = max(block_q, 16 // heads)  # at least 16 rows in the q tile
+    if num_warps is None:
+        num_warps = default_num_warps(block_q * heads, block_k, head_dim)
     num_query_blocks = pl.cdiv(num_tokens, block_q) + num_seqs
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
