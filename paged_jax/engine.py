@@ -5,15 +5,18 @@ add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.dispatch
 
 The engine also owns forks: ``fork_request`` starts a child on its parent's KV blocks,
 and a request with ``SamplingParams.n > 1`` is a parent whose samples it forks after
-one prefill (``paged_jax.parallel_sampling``).
+one prefill (``paged_jax.parallel_sampling``). A step that raises is rolled back (see
+``Engine.step``); one lock serialises the public calls of several threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import operator
 import statistics
+import threading
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from paged_jax.config import EngineConfig
+from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
@@ -33,7 +37,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
 
-__all__ = ["HOST_PHASES", "Engine", "EngineOutput", "InFlightStep"]
+__all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
 
 _req_id_of = operator.attrgetter("req_id")
 _samples_of = operator.attrgetter("samples")
@@ -48,6 +52,24 @@ FINISH_REASONS = {
 # The parts of a step() call's host time that get_stats()["host_phase_time_ms"] reports.
 HOST_PHASES = ("schedule", "prepare", "dispatch", "process_outputs")
 
+# EngineOutput.error of a request whose logits held a NaN or an infinity.
+NONFINITE_LOGITS_ERROR = (
+    "the model's logits for this request are not finite (NaN or Inf): likely NaN/Inf "
+    "weights in the checkpoint or a bad config value such as rms_norm_eps <= 0 or "
+    "rope_theta <= 0"
+)
+
+
+def _serialised(method):
+    """Runs an Engine method under the engine's lock: one thread inside at a time."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
 
 @dataclasses.dataclass
 class InFlightStep:
@@ -55,20 +77,27 @@ class InFlightStep:
 
     requests holds the Request objects scheduled (by position in out.scheduled), so a
     token is dropped when its request ended, even if a new request reuses the id.
+    cached holds the blocks hashed when the step was scheduled: their KV exists once
+    the step completes, so they lose their hashes if it fails.
     """
 
     out: SchedulerOutput
     requests: list[Request]
     pending: PendingStep
+    cached: list[KVCacheBlock] = dataclasses.field(default_factory=list)
 
     @classmethod
     def launch(
-        cls, out: SchedulerOutput, live: dict[str, Request], pending: PendingStep
+        cls,
+        out: SchedulerOutput,
+        live: dict[str, Request],
+        pending: PendingStep,
+        cached: list[KVCacheBlock] | None = None,
     ) -> InFlightStep:
         requests = out.scheduled_requests
         if len(requests) != len(out.scheduled):  # an output built by hand
             requests = [live[seq.req_id] for seq in out.scheduled]
-        return cls(out, requests, pending)
+        return cls(out, requests, pending, cached or [])
 
 
 @dataclasses.dataclass
@@ -135,6 +164,12 @@ class Engine:
             ["host_phase_time_ms"]`` are timed with; ``time.perf_counter`` (wall) by
             default. A benchmark on a shared machine sets ``time.thread_time`` to count
             only the engine thread's CPU time.
+
+    Threads: the calls that read or change requests (add_request, fork_request,
+    abort_request, get_logprobs, step, warmup, get_stats, reset_peak_stats) hold one
+    re-entrant lock, so calls from several threads run one at a time and never see
+    half-updated state. Each step() returns the requests that finished in it to the
+    thread that called it; ``paged_jax.LLM`` routes outputs to the call that added them.
     """
 
     def __init__(
@@ -161,6 +196,7 @@ class Engine:
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
         self.detokenize = detokenize
         self.phase_clock: Callable[[], float] = time.perf_counter
+        self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
         self.runner = Runner(model, config)
         self.kv_cache_manager = KVCacheManager(
@@ -172,6 +208,8 @@ class Engine:
             kv_cache_groups=groups,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        # Start recording the blocks each schedule hashes (InFlightStep.cached).
+        self.kv_cache_manager.take_newly_cached_blocks()
         self.input_batch = InputBatch(config, kv_cache_groups=groups)
         self._blocks_per_request_peak = 0
         # Requests whose block count may have grown since a decode step last measured it.
@@ -191,6 +229,9 @@ class Engine:
         self._prefilling: dict[str, ParallelSampleRequest] = {}
         self._times = _StepTimes()
         self._in_flight: InFlightStep | None = None
+        # Outputs of requests that ended in a step() that then raised: the next step()
+        # returns them.
+        self._undelivered: list[EngineOutput] = []
         self._synchronous = False
         self._num_steps = 0
         self._usage_peak = 0.0
@@ -199,6 +240,7 @@ class Engine:
         self._compiles_after_warmup: int | None = None
 
     # ------------------------------------------------------------ requests
+    @_serialised
     def add_request(
         self,
         request_id: str,
@@ -256,6 +298,7 @@ class Engine:
         self._register(request_id, params)
         self.scheduler.add_request(req)
 
+    @_serialised
     def fork_request(
         self,
         parent_id: str,
@@ -296,12 +339,14 @@ class Engine:
             raise ValueError(f"child_id={child_id!r} must be unique among live requests")
         self._fork(parent, child_id, prompt_token_ids, output_token_ids, sampling_params)
 
+    @_serialised
     def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
         """The live request's logprobs so far (one dict per sampled token), or None."""
         if request_id not in self._states:
             raise ValueError(f"request_id={request_id!r} must name a live request")
         return self._states[request_id].logprobs
 
+    @_serialised
     def abort_request(self, request_id: str) -> EngineOutput:
         """Ends a live request now; its blocks go back to the pool.
 
@@ -338,8 +383,9 @@ class Engine:
         return self.scheduler.requests.get(request_id)
 
     def has_unfinished(self) -> bool:
-        """True while any request is waiting, running or swapped out."""
-        return self.scheduler.has_unfinished()
+        """True while any request is waiting, running or swapped out, or an output of a
+        step that raised is still to be returned."""
+        return self.scheduler.has_unfinished() or bool(self._undelivered)
 
     @contextlib.contextmanager
     def synchronous(self) -> Iterator[None]:
@@ -554,6 +600,7 @@ class Engine:
         return parent.output(time.time())
 
     # ------------------------------------------------------------ step
+    @_serialised
     def step(self) -> list[EngineOutput]:
         """Runs one scheduler + device step; returns the requests that finished.
 
@@ -562,6 +609,18 @@ class Engine:
         call later); otherwise the step's own tokens are read before returning. Then
         parallel-sampling parents whose prompt was just prefilled get their samples
         forked, and a parent is returned once, when its last sample finishes.
+
+        A step that raises (any exception, KeyboardInterrupt included, from packing
+        the inputs, dispatching the device step, reading its tokens or applying them)
+        is rolled back before the exception propagates: the steps not read yet are
+        dropped, every running request returns to the head of the waiting queue with
+        its tokens so far and recomputes its KV when it resumes (as after a recompute
+        preemption; outputs equal a run without the failure), the blocks those steps
+        were to write lose their prefix-cache hashes (the whole prefix cache is
+        forgotten when the device state was lost), and outputs of requests that had
+        already ended come back from the next step(). A request whose logits are not
+        finite ends with finish_reason "error" (NONFINITE_LOGITS_ERROR); the others
+        continue.
         """
         t0 = time.perf_counter()
         clock = self.phase_clock
@@ -569,34 +628,43 @@ class Engine:
         c0 = clock()
         out = sched.schedule()
         schedule_s = clock() - c0
+        cached = self.kv_cache_manager.take_newly_cached_blocks()
         # Requests the scheduler ended on its own (they can never fit) report their error.
         finished = [self._finish(req) for req in out.errored]
-        self._apply_to_device_state(out)
-        self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
+        if self._undelivered:
+            finished[:0] = self._undelivered
+            self._undelivered = []
+        previous = self._in_flight
         launched = None
-        prepare_s = dispatch_s = process_s = 0.0
-        assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
-        if out.scheduled:
-            self._record_blocks_per_request(out)
-            c0 = clock()
-            step = self.input_batch.prepare(out.scheduled, out.block_copies)
-            c1 = clock()
-            pending = self.runner.dispatch(step, with_logprobs=self._num_logprobs_live > 0)
-            c2 = clock()
-            prepare_s, dispatch_s = c1 - c0, c2 - c1
-            launched = InFlightStep.launch(out, sched.requests, pending)
-            self._num_steps += 1
-        ready = launched
-        if self.config.async_scheduling and not self._synchronous:
-            ready, self._in_flight = self._in_flight, launched
-        wait_s = 0.0
-        if ready is not None:
-            t_wait = time.perf_counter()
-            result = ready.pending.result()
-            wait_s = time.perf_counter() - t_wait
-            c0 = clock()
-            finished += self._process_outputs(ready, result)
-            process_s = clock() - c0
+        prepare_s = dispatch_s = 0.0
+        try:
+            self._apply_to_device_state(out)
+            self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
+            assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
+            if out.scheduled:
+                self._record_blocks_per_request(out)
+                c0 = clock()
+                step = self.input_batch.prepare(out.scheduled, out.block_copies)
+                c1 = clock()
+                pending = self.runner.dispatch(step, with_logprobs=self._num_logprobs_live > 0)
+                c2 = clock()
+                prepare_s, dispatch_s = c1 - c0, c2 - c1
+                launched = InFlightStep.launch(out, sched.requests, pending, cached)
+                self._num_steps += 1
+            ready = launched
+            if self.config.async_scheduling and not self._synchronous:
+                ready, self._in_flight = previous, launched
+            wait_s = process_s = 0.0
+            if ready is not None:
+                t_wait = time.perf_counter()
+                result = ready.pending.result()
+                wait_s = time.perf_counter() - t_wait
+                c0 = clock()
+                finished += self._process_outputs(ready, result)
+                process_s = clock() - c0
+        except BaseException:
+            self._roll_back(out, cached, previous, finished)
+            raise
         if self._prefilling:
             self._fork_prefilled_samples()
         if self._parent_of:
@@ -606,10 +674,53 @@ class Engine:
             self._times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
 
+    def _roll_back(
+        self,
+        out: SchedulerOutput,
+        cached: list[KVCacheBlock],
+        previous: InFlightStep | None,
+        finished: list[EngineOutput],
+    ) -> None:
+        """Makes the engine consistent after a step() that raised (see step()).
+
+        The steps not read yet are the one just scheduled (``out``, whose schedule
+        hashed ``cached``) and, with async scheduling, ``previous``, the one in flight
+        before it. Outputs already built (``finished``) wait for the next step().
+        """
+        sched = self.scheduler
+        live = sched.requests
+        self._in_flight = None
+        touched = out.scheduled_requests or [
+            live[seq.req_id] for seq in out.scheduled if seq.req_id in live
+        ]
+        touched = list(touched)
+        unconfirmed = list(cached)
+        if previous is not None:
+            touched += previous.requests
+            unconfirmed += previous.cached
+        # A request swapped out by this schedule may have no (or a partial) host copy.
+        touched += [live[rid] for rid, _ in out.swap_out if rid in live]
+        for rid in sched.roll_back(touched):
+            self.runner.drop_swapped(rid)
+        for req in touched:  # ended while its tokens were applied, not reported yet
+            rid = req.request_id
+            if req.is_finished() and rid in self._states and live.get(rid) is not req:
+                finished.append(self._finish(req))
+        batch = self.input_batch
+        for rid in list(batch.row_of):  # nothing runs now: every row goes
+            batch.remove_request(rid)
+        kv = self.kv_cache_manager
+        if self.runner.replace_lost_device_state():
+            reset = kv.reset_prefix_cache()
+            assert reset, "a block is still held after every running request was rolled back"
+        else:
+            kv.uncache_blocks(unconfirmed)
+        self._undelivered.extend(finished)
+
     def _process_outputs(self, step: InFlightStep, result) -> list[EngineOutput]:
         """Append one finished device step's tokens; stops; returns the finished requests."""
         sched = self.scheduler
-        sampled = self._record_samples(step, result)
+        sampled, broken = self._record_samples(step, result)
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         live = sampled
         if done:
@@ -624,6 +735,11 @@ class Engine:
                 ):
                     st.stop_reason = token
             live = {k: v for k, v in sampled.items() if k not in done_ids}
+        for req in broken:  # its token is garbage: it ends here, the others go on
+            sched.finish_request(
+                req.request_id, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR
+            )
+            done.append(req)
         batch = self.input_batch
         row_of = batch.row_of
         rows = list(map(row_of.get, live))
@@ -666,8 +782,14 @@ class Engine:
             self.runner.swap_out(req_id, block_ids)
         for row in out.new_rows:
             st = self._states[row.req_id]
-            if self.scheduler.requests[row.req_id].num_preemptions == 0:
-                self._num_cached_tokens[row.req_id] = row.num_computed_tokens
+            # The first admission's hit counts (a resume's hits are mostly its own blocks;
+            # a rolled-back request resumes unpreempted but keeps its first count).
+            cached = self._num_cached_tokens
+            if (
+                row.req_id not in cached
+                and self.scheduler.requests[row.req_id].num_preemptions == 0
+            ):
+                cached[row.req_id] = row.num_computed_tokens
             batch.add_request(
                 row.req_id,
                 row.token_ids,
@@ -683,8 +805,11 @@ class Engine:
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
 
-    def _record_samples(self, step: InFlightStep, result) -> dict[str, int]:
-        """req_id -> sampled token for sequences that reached their end; logprobs, TTFT."""
+    def _record_samples(self, step: InFlightStep, result) -> tuple[dict[str, int], list[Request]]:
+        """req_id -> sampled token for sequences that reached their end; logprobs, TTFT.
+
+        Also returns the live requests whose logits were not finite (none sampled).
+        """
         live_get = self.scheduler.requests.get
         token_ids = result.token_ids.tolist()
         # A prefill chunk that does not reach the end samples nothing (seq.samples is
@@ -702,6 +827,14 @@ class Engine:
                 for req_id, seq, req, token in zip(req_ids, seqs, step.requests, token_ids)
                 if seq.samples and live_get(req_id) is req
             }
+        broken = []
+        nonfinite = result.nonfinite
+        if nonfinite is not None and nonfinite.any():
+            for i in np.flatnonzero(nonfinite).tolist():
+                req = step.requests[i]
+                if live_get(req.request_id) is req:
+                    broken.append(req)
+                    sampled.pop(req.request_id, None)
         awaiting = self._awaiting_first_token
         if awaiting:
             first = awaiting.intersection(sampled)
@@ -722,7 +855,7 @@ class Engine:
                 for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
                     entry[int(tid)] = float(lp)
                 st.logprobs.append(entry)
-        return sampled
+        return sampled, broken
 
     def _record_blocks_per_request(self, out) -> None:
         """Peak real blocks held by one request in a decode step (one generated token in).
@@ -795,6 +928,7 @@ class Engine:
         )
 
     # ------------------------------------------------------------ warmup + stats
+    @_serialised
     def warmup(self, on_bucket: Callable[[int, int, tuple[int, int]], None] | None = None) -> int:
         """Compiles the step for every (num_tokens, num_seqs) bucket; returns the count.
 
@@ -806,6 +940,7 @@ class Engine:
         self._compiles_after_warmup = num_backend_compiles()
         return len(shapes)
 
+    @_serialised
     def reset_peak_stats(self) -> None:
         """Starts the peaks of get_stats() again from now (KV usage, blocks per request)."""
         self._usage_peak = self.kv_cache_manager.usage
@@ -816,6 +951,7 @@ class Engine:
         """Forgets the step timings, so get_stats()' times cover the steps from now on."""
         self._times.reset()
 
+    @_serialised
     def get_stats(self) -> dict[str, Any]:
         """Counters since construction and step times since the last reset_step_times().
 

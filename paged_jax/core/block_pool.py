@@ -127,6 +127,12 @@ class BlockPool:
     revived by ``touch``) until ``get_new_blocks`` pops it for reuse. The map
     (``cached_block_hash_to_block``, a BlockHashToBlockMap) may hold equal blocks.
 
+    A block is hashed when it is allocated for the step that writes it (vLLM's
+    timing), so its KV exists only once that step completes. The engine therefore
+    has the pool record every block it hashes (``newly_cached``, None = not
+    recording) and, when a step fails, ``uncache_blocks`` drops the hashes of the
+    blocks that the failed steps were to write.
+
     Args:
         num_blocks: total blocks including the null block (>= 2).
         enable_caching: keep a hash -> block map for prefix hits.
@@ -142,6 +148,9 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Every block cache_full_blocks hashes, in order, while a list (the engine takes
+        # it after each schedule); None records nothing.
+        self.newly_cached: list[KVCacheBlock] | None = None
 
     # -- lookup and caching -------------------------------------------------
 
@@ -184,6 +193,7 @@ class BlockPool:
             "a block is being cached before its hash exists: the request's hasher lags"
         )
         insert = self.cached_block_hash_to_block.insert
+        record = self.newly_cached
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
@@ -194,6 +204,36 @@ class BlockPool:
             key = make_block_hash_with_group_id(block_hashes[i], kv_cache_group_id)
             block.block_hash = key
             insert(key, block)
+            if record is not None:
+                record.append(block)
+
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> int:
+        """Drops the hashes of free blocks whose KV was never written; returns how many.
+
+        For a failed step: its blocks were hashed when allocated, but the step that
+        was to write their KV never completed, so a prefix hit on them would serve
+        garbage. Each block that still has a hash leaves the hash map and moves to the
+        free queue's head (unhashed blocks are reused first). Blocks without a hash
+        (evicted since) are skipped.
+
+        Raises:
+            AssertionError: a block with a hash is still held (its holders were meant
+                to be freed first).
+        """
+        queue = self.free_block_queue
+        moved = []
+        for block in blocks:
+            if block.block_hash is None or block.is_null:
+                continue
+            assert block.ref_cnt == 0, (
+                f"block {block.block_id} is uncached while {block.ref_cnt} tables hold it"
+            )
+            self._evict_cached_block(block)
+            queue.remove(block)
+            moved.append(block)
+        if moved:
+            queue.prepend_n(moved)
+        return len(moved)
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
         """Drops a block's hash (it is being reused); keeps any duplicate under the key."""

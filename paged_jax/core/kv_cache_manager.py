@@ -546,6 +546,26 @@ class KVCacheManager:
         """
         return self.pending_copies.take()
 
+    def take_newly_cached_blocks(self) -> list[KVCacheBlock]:
+        """The blocks hashed since the last call, in order; the first call starts recording.
+
+        allocate_slots hashes a block when it allocates it for the step that writes it,
+        before that KV exists. The engine takes this list after each schedule, keeps
+        it with the step, and when the step fails passes it to ``uncache_blocks``.
+        """
+        pool = self.block_pool
+        taken = pool.newly_cached
+        pool.newly_cached = []
+        return taken if taken is not None else []
+
+    def uncache_blocks(self, blocks: Sequence[KVCacheBlock]) -> int:
+        """Drops the prefix-cache hashes of free blocks whose KV was never written.
+
+        See BlockPool.uncache_blocks; call it after freeing every request that held
+        them. Returns how many blocks lost their hash.
+        """
+        return self.block_pool.uncache_blocks(blocks)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Caches the request's blocks that are full within num_computed_tokens."""
         if self.enable_caching:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+from collections.abc import Iterable
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import cdiv
@@ -382,6 +383,49 @@ class Scheduler:
         self.waiting.prepend(req)
         out.preempted_req_ids.append(req.request_id)
         out.removed_req_ids.append(req.request_id)
+
+    # ------------------------------------------------------------ failed steps
+    def roll_back(self, touched: Iterable[Request] = ()) -> list[str]:
+        """Undoes what steps that never completed advanced, so their work runs again.
+
+        Scheduling a step advances its requests before the device runs it (computed
+        tokens, async placeholders). When a step fails, every running request goes back
+        to the head of the waiting queue in running order, holding no blocks, with no
+        computed tokens and no placeholders, exactly as after a recompute preemption
+        (not counted as one): on resume it recomputes its KV, mostly from prefix hits
+        on what completed steps wrote. Tokens already appended are kept; they came from
+        completed steps. A live request of ``touched`` that left the running list since
+        (preempted while its token was in flight) loses its placeholders and its
+        swapped-out host copy, which may hold the failed step's KV.
+
+        Args:
+            touched: the Request objects the failed steps scheduled.
+
+        Returns:
+            The ids whose swapped-out host copies must be dropped.
+        """
+        assert not len(self.kv.pending_copies), "copies are taken inside schedule()"
+        dropped = []
+        live = self.requests
+        for req in touched:
+            rid = req.request_id
+            if live.get(rid) is not req or req.status == RequestStatus.RUNNING:
+                continue
+            req.num_output_placeholders = 0
+            if self.swapped.pop(rid, None) is not None:
+                req.num_computed_tokens = 0
+                dropped.append(rid)
+        running, self.running = self.running, []
+        for req in running:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.num_output_placeholders = 0
+            req.status = RequestStatus.PREEMPTED
+            self._removed.append(req.request_id)
+        for req in reversed(running):  # each goes to the head: the first ends first
+            self.waiting.prepend(req)
+        self._forked = []
+        return dropped
 
     # ------------------------------------------------------------ results
     def update_from_output(

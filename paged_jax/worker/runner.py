@@ -364,6 +364,34 @@ class Runner:
         self.num_decode_only_steps += step.attention.decode_only and step.num_seqs > 0
         return PendingStep(out, step.num_seqs, with_logprobs)
 
+    def replace_lost_device_state(self) -> bool:
+        """After a failed step: zeroed KV caches and row tokens wherever the old are gone.
+
+        A step that raised may have consumed its donated buffers without handing the
+        new ones back (an interrupt inside dispatch) or left them holding a device
+        error. Swapped-out host copies are kept. Returns True when the KV caches were
+        replaced: every block's KV is lost, so the caller must forget the prefix cache.
+        """
+
+        def unusable(x: jax.Array) -> bool:
+            if x.is_deleted():
+                return True
+            try:
+                x.block_until_ready()
+            except Exception:  # noqa: BLE001 - any device error leaves x unusable
+                return True
+            return False
+
+        def zeros_like(x: jax.Array) -> jax.Array:
+            return jnp.zeros(x.shape, x.dtype, device=x.sharding)
+
+        lost = any(map(unusable, jax.tree.leaves(self.kv_caches)))
+        if lost:
+            self.kv_caches = jax.tree.map(zeros_like, self.kv_caches)
+        if unusable(self.row_tokens):
+            self.row_tokens = zeros_like(self.row_tokens)
+        return lost
+
     def set_kv_scales(self, scales: Any) -> None:
         """Replaces the fp8 per-layer scales f32[num_layers, 2] (k, v); never recompiles.
 
