@@ -331,6 +331,9 @@ def run_beam_search(
             request of its whole token list that finds its prefix through the
             prefix cache (vLLM V1's LLM.beam_search); for comparison.
         on_step: called after every engine step (memory accounting in studies).
+
+    If anything raises (a failed engine step, KeyboardInterrupt), the search's live
+    requests are aborted before the exception propagates, so the engine is idle again.
     """
     if engine.has_unfinished():
         raise ValueError("engine must be idle for beam search (it steps every live request)")
@@ -340,17 +343,25 @@ def run_beam_search(
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; must be < max_model_len={max_len}")
     per_round = max(1, (engine.config.max_num_seqs - 1) // params.beam_width)
     outputs: list[BeamSearchOutput | None] = [None] * len(prompts)
+    started: list[str] = []  # every request id the search added or forked
     # Each step's candidates decide the next step's forks: read every step's tokens in
     # the call that ran it (an async engine would run the parents one token ahead).
-    with engine.synchronous():
-        for start in range(0, len(prompts), per_round):
-            batch = range(start, min(len(prompts), start + per_round))
-            _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step)
+    try:
+        with engine.synchronous():
+            for start in range(0, len(prompts), per_round):
+                batch = range(start, min(len(prompts), start + per_round))
+                _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step, started)
+    except BaseException:
+        for rid in started:
+            if engine.is_live(rid):
+                engine.abort_request(rid)
+        raise
     return outputs  # type: ignore[return-value]
 
 
-def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step) -> None:
-    """Searches the prompts of one round (indices ``batch``) to the end."""
+def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step, started) -> None:
+    """Searches the prompts of one round (indices ``batch``) to the end; every request id
+    it adds or forks is appended to ``started``."""
     max_len = engine.config.max_model_len
     uid = next(_search_ids)
     live: dict[int, _Live] = {}
@@ -367,6 +378,7 @@ def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step) 
         if not forks:
             engine_params = dataclasses.replace(engine_params, max_tokens=1)
         engine.add_request(rid, prompt, engine_params)
+        started.append(rid)
         live[i] = _Live(search, prompt, [rid])
     finished: dict[str, list[dict[int, float]]] = {}
     while live:
@@ -386,6 +398,7 @@ def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step) 
             state.request_ids = _next_requests(
                 engine, state, parents, new_beams, params, uid, i, forks
             )
+            started.extend(state.request_ids)
             for rid in parents:
                 finished.pop(rid, None)
             if state.search.done:

@@ -4,13 +4,18 @@ llm = LLM("path/to/hf_model", max_num_seqs=64)
 outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(temperature=0, max_tokens=32))
 outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 for index, out in llm.generate_iter(prompts, params): ...   # finish order, errors isolated
+
+Calls from several threads are serialised step by step by one lock, and each call gets
+exactly its own outputs; an exception (Ctrl-C included) withdraws the call's requests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import pathlib
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -69,6 +74,16 @@ class LLM:
             seed, hash_algo, tensor_parallel_size). ``kv_cache_dtype="fp8_e4m3"`` (or
             "fp8_e5m2") stores the KV cache in fp8 with the checkpoint's k_scale/v_scale,
             else 1.0.
+
+    Threads and failures: an LLM may be shared by several threads. One lock serialises
+    every engine call, a step at a time, so concurrent generate / generate_iter /
+    chat calls share the engine's batches and each returns exactly its own requests'
+    outputs (beam_search holds the lock for its whole run). A call that raises (a
+    failed device step, KeyboardInterrupt in a notebook) aborts its own unfinished
+    requests before the exception propagates; the engine rolls the failed step back
+    (``Engine.step``), so the next call serves correctly. Closing a generate_iter
+    iterator early (``close()``, leaving its for loop, dropping it) aborts its
+    unfinished requests too.
 
     Raises:
         ValueError: an unknown engine argument or a bad value (naming it).
@@ -136,6 +151,17 @@ class LLM:
         )
         self.config = self.engine.config
         self._ids = itertools.count()
+        # Serialises engine access between threads; held one step at a time, never
+        # across a generate_iter yield.
+        self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread inside _locked(), if any
+        # Ids some live call still waits for, and finished outputs of such requests
+        # that another call's step produced (kept for their own call).
+        self._claimed: set[str] = set()
+        self._unclaimed: dict[str, EngineOutput] = {}
+        # Ids of calls that ended early (an exception, a closed iterator), aborted at
+        # the start of every locked section.
+        self._abandoned: list[str] = []
         if warmup:
             self.engine.warmup()
 
@@ -177,15 +203,22 @@ class LLM:
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         submitted: list[tuple[str, str | None, list[int]]] = []
+        with self._locked():
+            try:
+                for i, (prompt, p) in enumerate(zip(prompts, params)):
+                    submitted.append(self._submit(i, prompt, p))
+            except ValueError:
+                for rid, *_ in submitted:  # nothing ran yet: withdraw this call's requests
+                    if self.engine.is_live(rid):
+                        self.engine.abort_request(rid)
+                raise
+            self._claimed.update(rid for rid, *_ in submitted)
+        pending = {rid for rid, *_ in submitted}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
-                submitted.append(self._submit(i, prompt, p))
-        except ValueError:
-            for rid, *_ in submitted:  # nothing ran yet: withdraw this call's requests
-                if self.engine.is_live(rid):
-                    self.engine.abort_request(rid)
-            raise
-        finished = self._run(sum(p.n for p in params), use_tqdm)
+            finished = self._run(pending, sum(p.n for p in params), use_tqdm)
+        finally:
+            if pending:  # an exception: withdraw what is left of this call
+                self._abandon(pending)
         return [self._collect(*s, finished, p) for s, p in zip(submitted, params)]
 
     def generate_iter(
@@ -199,29 +232,38 @@ class LLM:
         vocabulary, text without a tokenizer, a failed request) does not stop the
         others: it is yielded as a RequestOutput whose `error` says why, with no
         completions. Rejected prompts come first, then the rest in finish order.
+
+        The prompts are submitted at the first ``next()``. Closing the iterator before
+        its end (``close()``, leaving its for loop, dropping the last reference) aborts
+        its unfinished requests; other calls may run between two ``next()`` calls.
         """
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                sub = self._submit(i, prompt, p)
-            except ValueError as err:
-                yield i, self._error_output(i, prompt, str(err))
-                continue
-            pending[sub[0]] = (i, sub, p)
-        finished: dict[str, EngineOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.request_id not in pending:
-                    continue  # a request added outside this call
-                i, sub, p = pending.pop(out.request_id)
-                finished[out.request_id] = out
-                result = self._collect(*sub, finished, p)
-                errors = [c.error for c in result.outputs if c.finish_reason == "error"]
-                if errors and len(errors) == len(result.outputs):
-                    result.error = errors[0] or "request failed"
-                yield i, result
+        rejected: list[tuple[int, RequestOutput]] = []
+        with self._locked():
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                try:
+                    sub = self._submit(i, prompt, p)
+                except ValueError as err:
+                    rejected.append((i, self._error_output(i, prompt, str(err))))
+                    continue
+                pending[sub[0]] = (i, sub, p)
+            self._claimed.update(pending)
+        waiting = set(pending)
+        try:
+            yield from rejected
+            while waiting:
+                for out in self._step_for(waiting):
+                    i, sub, p = pending.pop(out.request_id)
+                    result = self._collect(*sub, {out.request_id: out}, p)
+                    errors = [c.error for c in result.outputs if c.finish_reason == "error"]
+                    if errors and len(errors) == len(result.outputs):
+                        result.error = errors[0] or "request failed"
+                    yield i, result
+        finally:
+            if waiting:  # closed early, dropped, or an exception: abort the rest
+                self._abandon(waiting)
 
     def chat(
         self,
@@ -367,9 +409,70 @@ class LLM:
                     f"prompts[{i}]={p!r} must be a non-empty list of token ids < vocab_size="
                     f"{self.engine.vocab_size}"
                 )
-        return run_beam_search(self.engine, ids, params, decode=self.decode)
+        with self._locked():
+            return run_beam_search(self.engine, ids, params, decode=self.decode)
 
-    def _run(self, num_requests: int, use_tqdm: bool) -> dict[str, EngineOutput]:
+    # ------------------------------------------------------------------ stepping
+    def _step_for(self, pending: set[str]) -> list[EngineOutput]:
+        """Outputs of ``pending`` (ids of one call) finished by now; at most one engine step.
+
+        Under the lock: outputs another call's steps produced for this call come first;
+        with none, one engine step runs, and its outputs for other live calls are kept
+        for them. Finished ids leave ``pending``.
+        """
+        with self._locked():
+            unclaimed = self._unclaimed
+            mine = [unclaimed.pop(rid) for rid in list(pending) if rid in unclaimed]
+            if not mine:
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(
+                        f"requests {sorted(pending)} of this call are no longer in the "
+                        "engine (aborted through LLM.engine?)"
+                    )
+                claimed = self._claimed
+                for out in self.engine.step():
+                    rid = out.request_id
+                    if rid in pending:
+                        mine.append(out)
+                    elif rid in claimed:
+                        unclaimed[rid] = out
+                    # else: a request added to LLM.engine directly; its output is dropped
+            for out in mine:
+                pending.discard(out.request_id)
+                self._claimed.discard(out.request_id)
+            return mine
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Holds the lock; first aborts the requests of calls that ended early."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                self._abort_abandoned()
+                yield
+            finally:
+                self._holder = None
+
+    def _abandon(self, request_ids: set[str]) -> None:
+        """Aborts a call's unfinished requests (waiting for the lock). Inside this
+        thread's own locked section (an iterator garbage-collected during a step) they
+        are aborted at the start of the next one instead."""
+        self._abandoned.extend(request_ids)
+        if self._holder != threading.get_ident():
+            with self._locked():
+                pass
+
+    def _abort_abandoned(self) -> None:
+        """Aborts the requests of calls that ended early (call with the lock held)."""
+        while self._abandoned:
+            rid = self._abandoned.pop()
+            self._claimed.discard(rid)
+            self._unclaimed.pop(rid, None)
+            if self.engine.is_live(rid):
+                self.engine.abort_request(rid)
+
+    def _run(self, pending: set[str], num_requests: int, use_tqdm: bool) -> dict[str, EngineOutput]:
+        """Steps until every id of ``pending`` has finished; returns their outputs."""
         finished: dict[str, EngineOutput] = {}
         bar = None
         if use_tqdm:
@@ -377,20 +480,23 @@ class LLM:
 
             bar = tqdm(total=num_requests, desc="requests", unit="req", dynamic_ncols=True)
         start, num_out = time.perf_counter(), 0
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                finished[out.request_id] = out
-                completions = out.completions
-                num_out += sum(len(o.token_ids) for o in completions)
-                if bar is not None:
-                    rate = num_out / max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=False)
-                    bar.update(len(completions))
-        if bar is not None:
-            # The last rate shown is the run's own total, as a summary would compute it.
-            rate = num_out / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=True)
-            bar.close()
+        try:
+            while pending:
+                for out in self._step_for(pending):
+                    finished[out.request_id] = out
+                    completions = out.completions
+                    num_out += sum(len(o.token_ids) for o in completions)
+                    if bar is not None:
+                        rate = num_out / max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=False)
+                        bar.update(len(completions))
+            if bar is not None:
+                # The last rate shown is the run's own total, as a summary would compute it.
+                rate = num_out / max(time.perf_counter() - start, 1e-9)
+                bar.set_postfix_str(f"out {rate:.0f} tok/s", refresh=True)
+        finally:
+            if bar is not None:
+                bar.close()
         return finished
 
     def _collect(
