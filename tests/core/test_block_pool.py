@@ -193,3 +193,29 @@ def test_check_invariants_catches_a_corrupted_ref_count():
     pool.get_new_blocks(1)[0].ref_cnt = 0  # held by nobody but not in the free queue
     with pytest.raises(AssertionError, match=r"free queue .* != blocks with ref_cnt 0"):
         pool.check_invariants()
+
+
+def test_newly_cached_records_hashed_blocks_and_uncache_moves_them_to_the_head():
+    pool = BlockPool(8)
+    assert pool.newly_cached is None  # recording is off until someone takes the list
+    a = pool.get_new_blocks(3)  # [1, 2, 3]
+    pool.cache_full_blocks([h(1), h(2)], a, 0, 1)
+    pool.newly_cached = []
+    pool.cache_full_blocks([h(1), h(2)], a, 1, 2)
+    assert ids(pool.newly_cached) == [2]
+    pool.free_blocks(reversed(a))
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [3, 4, 5, 6, 7, 2, 1]
+    # Block 2's KV was never written (its step failed): it leaves the cache and the tail.
+    assert pool.uncache_blocks(pool.newly_cached + [pool.blocks[3]]) == 1
+    assert pool.blocks[2].block_hash is None and pool.get_cached_block(h(2)) is None
+    assert ids(pool.get_cached_block(h(1))) == [1]
+    assert ids(pool.free_block_queue.get_all_free_blocks()) == [2, 3, 4, 5, 6, 7, 1]
+    pool.check_invariants()
+
+
+def test_uncache_refuses_a_block_still_held():
+    pool = BlockPool(4)
+    a = pool.get_new_blocks(1)
+    pool.cache_full_blocks([h(1)], a, 0, 1)
+    with pytest.raises(AssertionError, match=r"block 1 is uncached while 1 tables hold it"):
+        pool.uncache_blocks(a)

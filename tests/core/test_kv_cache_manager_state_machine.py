@@ -14,6 +14,12 @@ simulated device applies each round's copies, then its KV writes, to per-block
 token contents, and every running request must read its own tokens back through
 its table, so a missed or misdirected copy shows up as a wrong token. The test
 asserts that >= 2,000 steps ran.
+
+A round may also fail, as an engine step that raises: none of its copies or writes
+run, every running request goes back to waiting holding nothing, and the blocks the
+round hashed (take_newly_cached_blocks) lose their hashes (uncache_blocks). Between
+rounds, every hashed block must hold the tokens its hash was computed from: no prefix
+hit can serve KV that was never written.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ STEPS = {
     "forks": 0,
     "copies": 0,
     "rounds_with_holds": 0,
+    "failed_rounds": 0,
 }
 
 
@@ -74,6 +81,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.expected_copies: list[tuple[int, int]] = []
         self.pending_writes: list[tuple[int, int, int]] = []
         self.in_round: set[str] = set()
+        self.m.take_newly_cached_blocks()  # from now on, each round's hashed blocks
+        self.tokens_of: dict[bytes, list[int]] = {}  # block hash -> the block's tokens
 
     # -- the simulated device and the model's predictions ---------------------
 
@@ -135,6 +144,7 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         self.expected_copies = []
         self.pending_writes = []
         self.in_round = set()
+        self.m.take_newly_cached_blocks()  # their KV is written now
 
     # -- rules ------------------------------------------------------------
 
@@ -252,6 +262,25 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def run_device_step(self):
         self.device_step()
 
+    @precondition(lambda self: self.in_round)
+    @rule()
+    def failed_round(self):
+        """The round's device step fails before it writes anything (the engine's rollback)."""
+        self.m.take_pending_copies()  # the step would have run them: never now
+        hashed = self.m.take_newly_cached_blocks()
+        for req in reversed(self.running):
+            self.m.free(req)
+            del self.tables[req.request_id]
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.insert(0, req)
+        self.running = []
+        self.expected_copies = []
+        self.pending_writes = []
+        self.in_round = set()
+        self.m.uncache_blocks(hashed)
+        STEPS["failed_rounds"] += 1
+
     @rule(roll=st.integers(0, 4))
     def reset_prefix_cache(self, roll):
         if roll:  # keep resets rare so cached prefixes live long enough to be hit
@@ -314,6 +343,17 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
                     assert get_block_hash(block.block_hash) == req.block_hashes[i]
         for req in self.waiting:
             assert m.get_block_ids(req) == []
+        for req in itertools.chain(self.running, self.waiting):
+            for i, h in enumerate(req.block_hashes):
+                self.tokens_of[h] = req.all_token_ids[i * BS : (i + 1) * BS]
+        if not self.pending_writes:
+            # No hashed block without written KV.
+            for key, block in pool.cached_block_hash_to_block.items():
+                want = self.tokens_of[get_block_hash(key)]
+                assert self.content[block.block_id] == want, (
+                    f"block {block.block_id} is cached for {want} but holds "
+                    f"{self.content[block.block_id]}"
+                )
         if not self.pending_writes and not self.expected_copies:
             # Every running request reads its own tokens back through its table.
             for req in self.running:
