@@ -367,7 +367,7 @@ def test_random_sequences_keep_invariants():
     run_state_machine_as_test(
         KVCacheManagerMachine,
         settings=settings(
-            max_examples=150,
+            max_examples=300,
             stateful_step_count=60,
             deadline=None,
             derandomize=True,
