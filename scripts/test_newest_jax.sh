@@ -8,17 +8,7 @@
 # Skips, with a printed reason, where no python3.12 exists. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py312=""
-if command -v pyenv >/dev/null 2>&1; then
-  py312=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1 || true)
-fi
-if [ -z "$py312" ]; then
-  py312=$(command -v python3.12 || true)
-fi
-if [ -z "$py312" ]; then
-  echo "test_newest_jax: SKIPPED: no python3.12 on this machine (pyenv or PATH)"
-  exit 0
-fi
+source scripts/python312.sh test_newest_jax
 if [ ! -x .venv312/bin/python ]; then
   "$py312" -m venv .venv312
 fi
