@@ -3,9 +3,13 @@
 Grid ``(num_copies, num_kv_heads)``: a program moves one contiguous
 ``[block_size, head_dim]`` tile (one block, one KV head) of K and of V. The caches are
 aliased to the outputs, so the copy is in place when the caller donates them. Padding
-copies use dst -1 (skipped). Destinations must be distinct and must not also be sources
-in the same call (programs run in any order); the block manager's copy-on-write and
-swap-in always copy into freshly allocated blocks. ``reference.copy_blocks`` is the
+copies use dst -1 (skipped). Bounds are always on: a pair whose src or dst is not a
+block id in ``[0, num_blocks)`` is dropped on device (a few scalar compares per
+program); ``validate=True`` raises on one instead. A block_size or head_dim that is not
+a power of two (head_dim 80, 96) is served with a tile rounded up to powers of two and
+the extra rows and lanes masked. Destinations must be distinct and must not also be
+sources in the same call (programs run in any order); the block manager's copy-on-write
+and swap-in always copy into freshly allocated blocks. ``reference.copy_blocks`` is the
 XLA fallback (gather, then scatter).
 """
 
@@ -18,7 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.validation import check_copy_pairs, validate_copy_blocks
+from pallas_kernels.layout import next_power_of_two
+from pallas_kernels.validation import check_copy_pairs, check_offsets_fit, validate_copy_blocks
 
 
 def _copy_blocks_kernel(
@@ -28,18 +33,35 @@ def _copy_blocks_kernel(
     v_cache_in_ref,  # aliased to v_cache_ref; unused
     k_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim] (whole cache)
     v_cache_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    *,
+    tile: tuple[int, int],  # (block_size, head_dim) rounded up to powers of two
 ):
     del k_cache_in_ref, v_cache_in_ref
     i, head = pl.program_id(0), pl.program_id(1)
-    num_blocks = k_cache_ref.shape[0]
-    src = jnp.clip(src_ref[i], 0, num_blocks - 1)
-    dst = dst_ref[i]
-    keep = dst >= 0
+    num_blocks, _, block_size, head_dim = k_cache_ref.shape
+    src, dst = src_ref[i], dst_ref[i]
+    # Bounds always on: a bad src must drop the copy, not copy some other block.
+    keep = (src >= 0) & (src < num_blocks) & (dst >= 0) & (dst < num_blocks)
+    src = jnp.where(keep, src, 0)  # in-range addresses; the store is masked off
     dst = jnp.where(keep, dst, 0)
-    tile = k_cache_ref.shape[2:]
+    # All-array indices: rows and lanes past block_size / head_dim stay out of range
+    # (masked: never accessed on a GPU, dropped by the interpreter).
+    row = jax.lax.broadcasted_iota(jnp.int32, tile, 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+    in_tile = None
+    if tile[0] != block_size:
+        in_tile = row < block_size
+    if tile[1] != head_dim:
+        in_tile = lane < head_dim if in_tile is None else in_tile & (lane < head_dim)
     mask = jnp.broadcast_to(keep, tile)
-    plgpu.store(k_cache_ref.at[dst, head], k_cache_ref[src, head], mask=mask)
-    plgpu.store(v_cache_ref.at[dst, head], v_cache_ref[src, head], mask=mask)
+    if in_tile is not None:
+        mask &= in_tile
+    src_at = (jnp.broadcast_to(src, tile), head, row, lane)
+    dst_at = (jnp.broadcast_to(dst, tile), head, row, lane)
+    k = plgpu.load(k_cache_ref.at[src_at], mask=in_tile)
+    v = plgpu.load(v_cache_ref.at[src_at], mask=in_tile)
+    plgpu.store(k_cache_ref.at[dst_at], k, mask=mask)
+    plgpu.store(v_cache_ref.at[dst_at], v, mask=mask)
 
 
 @partial(jax.jit, static_argnames=("num_warps", "interpret", "validate"))
@@ -55,6 +77,8 @@ def copy_blocks(
 ):  # -> (k_cache, v_cache), updated
     """Copies whole blocks (all heads) from src to dst ids.
 
+    A pair whose src or dst is not a block id in [0, num_blocks) is dropped.
+
     Args:
         num_warps: Triton compiler param.
         interpret: Run the Pallas interpreter (CPU tests).
@@ -65,11 +89,8 @@ def copy_blocks(
     num_blocks, num_kv_heads, block_size, head_dim = k_cache.shape
     if validate:
         check_copy_pairs(src_block_ids, dst_block_ids, num_blocks)
-    if head_dim & (head_dim - 1) or block_size & (block_size - 1):
-        raise ValueError(
-            f"block_size={block_size} and head_dim={head_dim} must be powers of two "
-            "for the Pallas copy_blocks"
-        )
+    check_offsets_fit("k_cache", k_cache)
+    check_offsets_fit("v_cache", v_cache)
     num_copies = src_block_ids.shape[0]
     if num_copies == 0:
         return k_cache, v_cache
@@ -80,7 +101,10 @@ def copy_blocks(
 
     cache_spec = whole(k_cache.shape)
     return pl.pallas_call(
-        _copy_blocks_kernel,
+        partial(
+            _copy_blocks_kernel,
+            tile=(next_power_of_two(block_size), next_power_of_two(head_dim)),
+        ),
         grid=(num_copies, num_kv_heads),
         in_specs=[whole((num_copies,)), whole((num_copies,)), cache_spec, cache_spec],
         out_specs=[cache_spec, cache_spec],

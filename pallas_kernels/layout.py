@@ -18,9 +18,21 @@ token's write contiguous but turns every kernel read into a strided tile; head-m
 block copy becomes ``num_kv_heads`` separate runs. Reads dominate, so we pick block-major.
 Block 0 is the null block: zeroed here, padding in every block table, never read into an
 output (kernels mask by position, and zero V before ``p @ V`` so even NaN cannot leak).
+
+Addressing. JAX's Triton lowering turns an index into an array into an *element* offset
+of 32-bit signed ints when the array is at most 2**32 bytes, and of 64-bit ints above.
+So an array of more than 2**31 elements but at most 2**32 bytes (only possible with a
+1-byte dtype: an fp8 cache of 2-4 GiB) has offsets that wrap negative and reads or
+writes out of bounds. ``offsets_wrap`` says whether a shape is in that window and
+``max_offset_safe_blocks`` gives the largest pool under it (2**31 elements); the kernels
+refuse a wrapping cache (``validation.check_offsets_fit``) and the engine's memory-sized
+pool is capped by it.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +41,42 @@ from pallas_kernels.names import NULL_BLOCK_ID as NULL_BLOCK_ID  # re-exported
 from pallas_kernels.quantization import FP8_DTYPES
 
 KV_CACHE_LAYOUT = "[num_blocks, num_kv_heads, block_size, head_dim]"
+
+
+# JAX's Triton lowering: arrays of at most this many bytes get 32-bit signed element
+# offsets, which address elements [0, I32_OFFSET_ELEMENTS) only.
+I32_OFFSET_BYTES = 2**32
+I32_OFFSET_ELEMENTS = 2**31
+
+
+def offsets_wrap(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether a Triton kernel's 32-bit element offsets wrap on an array of this shape.
+
+    True for more than 2**31 elements in at most 2**32 bytes (1-byte dtypes only).
+    """
+    elements = math.prod(int(d) for d in shape)
+    return elements > I32_OFFSET_ELEMENTS and elements * int(itemsize) <= I32_OFFSET_BYTES
+
+
+def max_offset_safe_blocks(block_elems: int, itemsize: int, num_blocks: int) -> int:
+    """The largest block count <= num_blocks whose array a Triton kernel addresses right.
+
+    ``num_blocks`` itself when its array is safe (at most 2**31 elements, or over 2**32
+    bytes, where offsets are 64-bit); else ``2**31 // block_elems`` blocks.
+
+    Args:
+        block_elems: Elements of one block of the array (the product of the other dims).
+        itemsize: Bytes per element.
+        num_blocks: The wanted block count (the leading dim).
+    """
+    if not offsets_wrap((num_blocks, block_elems), itemsize):
+        return int(num_blocks)
+    return I32_OFFSET_ELEMENTS // int(block_elems)
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): a Triton tile extent covering n lanes."""
+    return 1 << (int(n) - 1).bit_length()
 
 
 def kv_cache_shape(

@@ -299,8 +299,10 @@ def ragged_paged_attention(
 
 
 def slots_to_indices(slot_mapping, num_blocks: int, block_size: int):  # -> (i32[n], i32[n])
-    """(block_id, offset) per slot; slot -1 maps to block num_blocks (dropped by mode="drop")."""
-    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    """(block_id, offset) per slot; a slot outside [0, num_blocks * block_size) (-1 is
+    padding) maps to block num_blocks, which mode="drop" drops."""
+    bad = (slot_mapping < 0) | (slot_mapping >= num_blocks * block_size)
+    block = jnp.where(bad, num_blocks, slot_mapping // block_size)
     return block.astype(jnp.int32), (slot_mapping % block_size).astype(jnp.int32)
 
 
@@ -343,13 +345,19 @@ def copy_blocks(
     *,
     validate: bool = False,
 ):  # -> (k_cache, v_cache)
-    """cache[dst[i]] = cache[src[i]] for every i (destinations distinct, sources unchanged)."""
+    """cache[dst[i]] = cache[src[i]] for every i (destinations distinct, sources unchanged).
+
+    A pair whose src or dst is not a block id in [0, num_blocks) is dropped (dst -1 is
+    padding).
+    """
     validate_copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids)
     num_blocks = k_cache.shape[0]
     if validate:
         check_copy_pairs(src_block_ids, dst_block_ids, num_blocks)
-    dst = jnp.where(dst_block_ids < 0, num_blocks, dst_block_ids)
-    src = jnp.clip(src_block_ids, 0, num_blocks - 1)
+    bad = (src_block_ids < 0) | (src_block_ids >= num_blocks)
+    bad |= (dst_block_ids < 0) | (dst_block_ids >= num_blocks)
+    dst = jnp.where(bad, num_blocks, dst_block_ids)  # past the end: mode="drop" drops it
+    src = jnp.clip(src_block_ids, 0, num_blocks - 1)  # any in-range row; dropped if bad
     k_cache = k_cache.at[dst].set(k_cache[src], mode="drop")
     v_cache = v_cache.at[dst].set(v_cache[src], mode="drop")
     return k_cache, v_cache

@@ -7,10 +7,12 @@ free under jit. Errors are ValueErrors naming the argument and what was expected
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax.numpy as jnp
 
+from pallas_kernels.layout import max_offset_safe_blocks, offsets_wrap
 from pallas_kernels.quantization import FP8_DTYPES, is_fp8
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -49,6 +51,32 @@ def validate_kv_cache(k_cache: Any, v_cache: Any) -> tuple[int, int, int, int]:
             f"v_cache must have dtype {k_cache.dtype} (as k_cache), got {v_cache.dtype}"
         )
     return tuple(k_cache.shape)
+
+
+def check_offsets_fit(name: str, array: Any) -> None:
+    """Refuses an array that a Triton kernel would address with wrapping offsets.
+
+    JAX's Triton lowering uses 32-bit signed element offsets for arrays of at most 2**32
+    bytes, so more than 2**31 elements there (a 1-byte fp8 cache of 2-4 GiB) would read
+    and write out of bounds (layout.py). Static: shapes and dtypes only.
+
+    Raises:
+        ValueError: naming ``name``, its shape, dtype and bytes, and the most blocks
+            (leading dim) it may have.
+    """
+    shape = _shape(name, array)
+    itemsize = jnp.dtype(array.dtype).itemsize
+    if not offsets_wrap(shape, itemsize):
+        return
+    block_elems = math.prod(shape[1:])
+    safe = max_offset_safe_blocks(block_elems, itemsize, shape[0])
+    nbytes = math.prod(shape) * itemsize
+    raise ValueError(
+        f"{name} of shape {shape} dtype {array.dtype} ({nbytes} bytes) has more than 2**31 "
+        "elements in at most 2**32 bytes: a Triton kernel addresses it with 32-bit element "
+        f"offsets that wrap (out-of-bounds reads and writes); use at most {safe} blocks "
+        f"(num_kv_blocks <= {safe})"
+    )
 
 
 def validate_kv_scales(k_cache: Any, k_scale: Any, v_scale: Any) -> None:

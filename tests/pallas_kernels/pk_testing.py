@@ -149,6 +149,50 @@ def h200_target():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
+@contextlib.contextmanager
+def capture_triton_asm():
+    """Records the Triton IR text of every Pallas kernel lowered inside the block.
+
+    Yields a dict, kernel name (the pallas_call ``name``) -> list of module texts, one per
+    lowering, filled as kernels lower (e.g. by ``lower_for_cuda``): the IR shows what the
+    GPU will run (offset widths, masks, loops) with nothing allocated. Wraps the private
+    ``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``; skips the calling
+    test when this jax lacks it. jax's caches are cleared first so no cached lowering
+    bypasses the hook.
+
+    Example::
+
+        with capture_triton_asm() as asm:
+            lower_for_cuda(pk.write_kv, cache, cache, new, new, slots)
+        (text,) = asm["paged_write_kv"]
+    """
+    import pytest
+
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError as e:  # pragma: no cover - a jax without the Triton lowering
+        pytest.skip(f"jax has no Pallas Triton lowering module: {e}")
+    original = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:  # pragma: no cover - private API moved
+        pytest.skip("jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module is gone")
+    captured: dict[str, list[str]] = {}
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        op = result.module.operation
+        name = str(op.attributes["sym_name"]).strip('"')
+        captured.setdefault(name, []).append(op.get_asm())
+        return result
+
+    jax.clear_caches()
+    triton_lowering.lower_jaxpr_to_triton_module = recording
+    try:
+        yield captured
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = original
+        jax.clear_caches()
+
+
 def lower_for_cuda(fn, *shapes) -> str:
     """StableHLO text of `fn` exported for CUDA (Triton custom calls allowed)."""
     with h200_target():

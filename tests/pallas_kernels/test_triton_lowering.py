@@ -118,6 +118,18 @@ def test_kv_ops_lower_to_one_triton_call_each():
     assert kernel_calls(text) == _only("paged_copy_blocks")
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_kv_ops_lower_for_a_head_dim_that_is_not_a_power_of_two(head_dim, dtype):
+    cache = _spec((64, 8, 16, head_dim), dtype)
+    new = _spec((40, 8, head_dim), jnp.bfloat16 if dtype != jnp.bfloat16 else dtype)
+    text = lower_for_cuda(pk.write_kv, cache, cache, new, new, _spec((40,)))
+    assert kernel_calls(text) == _only("paged_write_kv")
+    ids = _spec((3,))
+    text = lower_for_cuda(pk.copy_blocks, cache, cache, ids, ids)
+    assert kernel_calls(text) == _only("paged_copy_blocks")
+
+
 # ------------------------------------------------------------------ whole engine step
 
 NUM_LAYERS = 3
