@@ -15,8 +15,11 @@ Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,6 +38,9 @@ from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, 
 from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
 from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
+from pallas_kernels.layout import max_offset_safe_blocks
+
+logger = logging.getLogger(__name__)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -69,11 +75,42 @@ def _device_free_bytes() -> int | None:
     return None
 
 
-def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+def kv_block_arrays(
+    model: Any, block_size: int, dtype: Any = None, *, tensor_parallel_size: int = 1
+) -> list[tuple[int, int]]:
+    """(elements of one block on one device, itemsize) of each distinct KV cache array.
+
+    Read from the model's own cache shapes (abstractly: nothing is allocated), so models
+    whose layer groups differ in heads or head_dim are right. Under tensor parallelism
+    each device holds its share of the heads.
+    """
+    caches = jax.eval_shape(lambda: model.init_kv_caches(1, block_size, dtype))
+    arrays = {
+        (math.prod(x.shape[1:]) // tensor_parallel_size, jnp.dtype(x.dtype).itemsize)
+        for x in jax.tree.leaves(caches)
+    }
+    return sorted(arrays)
+
+
+def resolve_num_kv_blocks(
+    config: EngineConfig,
+    bytes_per_block: int,
+    kv_arrays: Sequence[tuple[int, int]] = (),
+    *,
+    free_bytes: int | None = None,
+) -> int:
     """Pool size from num_kv_blocks, a byte budget, or a fraction of free device memory.
 
     With neither set: 90% of free memory on an accelerator; on CPU, enough blocks for
-    max_num_seqs full-length sequences, at most 1 GiB.
+    max_num_seqs full-length sequences, at most 1 GiB. A pool sized from memory is
+    capped so no KV array (``kv_arrays``: see kv_block_arrays) lands where a Triton
+    kernel's 32-bit offsets wrap (pallas_kernels.layout), on every backend, so CPU and
+    GPU pools schedule alike. An explicit num_kv_blocks is kept as given (a wrapping
+    cache then fails clearly in the kernels).
+
+    Args:
+        free_bytes: Free memory for a fractional budget; None queries the device (or,
+            on CPU, the host).
     """
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
@@ -81,20 +118,37 @@ def resolve_num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     if budget is None and jax.default_backend() != "cpu":
         budget = 0.9
     if isinstance(budget, float):
-        free = _device_free_bytes()
+        free = free_bytes if free_bytes is not None else _device_free_bytes()
         if free is None:  # CPU: the host's available memory
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = int(free * budget)
     if budget is None:
         full = config.max_num_seqs * config.max_blocks_per_seq + 1
-        return max(2, min(full, (1 << 30) // bytes_per_block))
+        return cap_kv_blocks(max(2, min(full, (1 << 30) // bytes_per_block)), kv_arrays)
     num_blocks = budget // bytes_per_block
     if num_blocks < 2:
         raise ValueError(
             f"kv_cache_memory={config.kv_cache_memory!r} must hold at least 2 KV blocks "
             f"of {bytes_per_block} bytes"
         )
-    return int(num_blocks)
+    return cap_kv_blocks(int(num_blocks), kv_arrays)
+
+
+def cap_kv_blocks(num_blocks: int, kv_arrays: Sequence[tuple[int, int]]) -> int:
+    """num_blocks, lowered to the most blocks every KV array is addressed right with."""
+    capped = min(
+        (max_offset_safe_blocks(elems, itemsize, num_blocks) for elems, itemsize in kv_arrays),
+        default=num_blocks,
+    )
+    if capped < num_blocks:
+        logger.info(
+            "KV pool capped at %d blocks (memory allows %d): a KV cache array of more than "
+            "2**31 elements in at most 4 GiB is addressed with 32-bit offsets that wrap in "
+            "the Triton kernels",
+            capped,
+            num_blocks,
+        )
+    return capped
 
 
 # ---------------------------------------------------------------- inside the jitted step
@@ -233,7 +287,8 @@ class Runner:
         model = model if self.tp is None else self.tp.model
         # One device's share of a block: the pool is sized from per-device memory.
         self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size, kv_dtype)) // tp
-        self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block)
+        arrays = kv_block_arrays(model, config.block_size, kv_dtype, tensor_parallel_size=tp)
+        self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block, arrays)
         if self.tp is None:
             self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size, kv_dtype)
         else:
