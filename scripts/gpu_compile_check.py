@@ -7,10 +7,12 @@ PTX), reads the launch (grid, threads, dynamic shared memory) from XLA's thunk l
 and assembles the PTX with both nvJitLink and ptxas for sm_90a (a real machine may take
 either path; their register counts differ) to read registers and spills.
 
-One JSON row per (case, kernel). The run fails on any compile error, any spill in a
-bf16/f16/fp8 kernel, or dynamic shared memory over the per-block limit. Cases the
-kernels' own validation rejects (e.g. head_dim 80) are recorded with the reason and are
-an expected outcome, as are f32 spills.
+One JSON row per (case, kernel). The run fails on any compile error, any shape the
+kernels' own validation rejects, any spill in a kernel of any dtype (f32 included), or
+dynamic shared memory over the per-block limit; the only exceptions are the probes in
+KNOWN_EXPECTED_FAILURES (tiles a GPU rejects too), which fail if they ever pass.
+Each row also says how the kernel's tiles reach shared memory (cp.async copies, the
+deepest wait_group, K/V buffers in flight in its main loop: `ptx_buffering`).
 
 Needs the CUDA plugin and the NVIDIA assemblers in the venv (scripts/gpu_compile_check.sh
 installs them) and JAX_PLATFORMS=cpu, so no CUDA client is ever created.
@@ -72,8 +74,15 @@ device_description_str: "NVIDIA H200"
 """
 SMEM_LIMIT_BYTES = 232448  # shared_memory_per_block_optin above
 ARCH = "sm_90a"
-# Dtypes whose kernels must not spill (f32 decode is known to, and is recorded only).
-NO_SPILL_DTYPES = ("bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+# Cases that must fail, each for a reason a GPU would reject it too: deliberately
+# oversized tiles that prove the rule catches what it should. A listed case that passes
+# fails the run. No case users run belongs here.
+KNOWN_EXPECTED_FAILURES = {
+    "probe-decode-f32-d256-g4-bs16-b8x32k-bk1024": (
+        "block_k 1024 x head_dim 256 x f32 is 1 MiB per K tile, over the 232,448 B "
+        "shared memory an H200 block may use"
+    ),
+}
 DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 HEAD_DIMS = (64, 128, 256, 80, 96)
 KERNEL_NAMES = (
@@ -99,7 +108,9 @@ class Case:
         prefill: Ragged: new-token counts of the prefill chunks; the other
             ``batch - len(prefill)`` sequences are decodes (one new token each).
         model: Step cases: "llama8b" or "gemma2" (two layers each).
+        block_k: Attention: keys per step, when not the kernels' default (probes).
         decode_only: Step cases: the decode-only bucket (decode kernel), else mixed.
+        tp: Step cases: tensor-parallel devices (compile-only H200s of one host).
     """
 
     name: str
@@ -114,8 +125,10 @@ class Case:
     sliding_window: int | None = None
     soft_cap: float | None = None
     num_splits: int | None = None
+    block_k: int | None = None
     model: str = ""
     decode_only: bool = False
+    tp: int = 1
 
     @property
     def q_dtype(self) -> str:
@@ -152,7 +165,15 @@ def _case(kernel: str, **kw) -> Case:
         parts.append(f"cap{c.soft_cap:g}")
     if c.num_splits:
         parts.append(f"split{c.num_splits}")
+    if c.block_k:
+        parts.append(f"bk{c.block_k}")
     return dataclasses.replace(c, name="-".join(parts))
+
+
+def probe(kernel: str, **kw) -> Case:
+    """A deliberately oversized case (named "probe-..."); see KNOWN_EXPECTED_FAILURES."""
+    c = _case(kernel, **kw)
+    return dataclasses.replace(c, name=f"probe-{c.name}")
 
 
 # The ragged mix of a typical chunked-prefill step: two prefill chunks and 62 decodes.
@@ -173,10 +194,15 @@ def grid_full() -> list[Case]:
                     )
                 cases.append(_case("write_kv", dtype=dtype, head_dim=d, block_size=bs, batch=512))
                 cases.append(_case("copy_blocks", dtype=dtype, head_dim=d, block_size=bs, batch=64))
-    for dtype in ("bfloat16", "float8_e4m3fn"):
+    for dtype in ("bfloat16", "float8_e4m3fn", "float32"):
         for batch, context in ((1, 2048), (1, 32768), (8, 8192), (64, 2048), (256, 2048),
                                (256, 8192), (16, 32768)):  # fmt: skip
             cases.append(_case("decode", dtype=dtype, batch=batch, context=context))
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        for d in (80, 96):  # the masked lanes beside the window and cap masks
+            kw = dict(head_dim=d, sliding_window=4096, soft_cap=50.0)
+            cases.append(_case("decode", dtype=dtype, batch=8, context=32768, **kw))
+            cases.append(_case("ragged", dtype=dtype, **dict(MIX, **kw)))
         for kw in (dict(sliding_window=4096), dict(soft_cap=50.0), dict(num_splits=4),
                    dict(num_splits=16), dict(sliding_window=4096, soft_cap=50.0)):  # fmt: skip
             cases.append(_case("decode", dtype=dtype, batch=8, context=32768, **kw))
@@ -190,7 +216,12 @@ def grid_full() -> list[Case]:
         cases.append(_case("write_kv", dtype=dtype, batch=8192))
         cases.append(_case("copy_blocks", dtype=dtype, batch=256))
     cases += steps()
-    return cases
+    return cases + probes()
+
+
+def probes() -> list[Case]:
+    """The KNOWN_EXPECTED_FAILURES cases."""
+    return [probe("decode", dtype="float32", head_dim=256, batch=8, context=32768, block_k=1024)]
 
 
 def steps() -> list[Case]:
@@ -204,13 +235,18 @@ def steps() -> list[Case]:
              batch=64, context=8192, prefill=(449,), sliding_window=4096, soft_cap=50.0),
         Case("step-gemma2-decode-s64", "step", model="gemma2", head_dim=256, group=2,
              batch=64, context=8192, decode_only=True, sliding_window=4096, soft_cap=50.0),
+        Case("step-llama8b-mixed-t512-s64-tp2", "step", model="llama8b", batch=64,
+             context=32768, prefill=(449,), tp=2),
+        Case("step-llama8b-decode-s256-tp2", "step", model="llama8b", batch=256,
+             context=32768, decode_only=True, tp=2),
     ]  # fmt: skip
 
 
 def grid_ci() -> list[Case]:
     """A few minutes' subset for CI: each dtype, head_dim and GQA group of the attention
-    kernels at least once, both block sizes, window/cap/splits, the KV ops, one rejected
-    shape and the Llama decode and mixed steps."""
+    kernels at least once, both block sizes, window/cap/splits, each kernel at head_dim 80
+    and with an fp8 cache, the Llama decode and mixed steps, the TP=2 decode step and the
+    oversized probe."""
     cases = [_case("decode", dtype=dt) for dt in DTYPES]
     cases += [
         _case("decode", head_dim=64, group=1, block_size=32),
@@ -224,11 +260,16 @@ def grid_ci() -> list[Case]:
         _case("ragged", head_dim=64, group=1, block_size=32, **MIX),
         _case("ragged", head_dim=256, group=8, **MIX),
         _case("ragged", sliding_window=4096, soft_cap=50.0, **MIX),
+        _case("ragged", head_dim=80, **MIX),
         _case("write_kv", batch=512),
         _case("write_kv", dtype="float8_e4m3fn", batch=512),
+        _case("write_kv", head_dim=80, batch=512),
         _case("copy_blocks", batch=64),
+        _case("copy_blocks", dtype="float8_e4m3fn", batch=64),
+        _case("copy_blocks", head_dim=80, batch=64),
     ]
-    return cases + [c for c in steps() if c.model == "llama8b"]
+    llama = [c for c in steps() if c.model == "llama8b" and (c.tp == 1 or c.decode_only)]
+    return cases + llama + probes()
 
 
 GRIDS = {"ci": grid_ci, "full": grid_full}
@@ -238,20 +279,38 @@ GRIDS = {"ci": grid_ci, "full": grid_full}
 
 
 def verdict(row: dict) -> str:
-    """ "pass", "expected: <why>" (recorded, not a failure) or "fail: <why>" for one row."""
+    """ "pass", "expected: <why>" (recorded, not a failure) or "fail: <why>" for one row.
+
+    A KNOWN_EXPECTED_FAILURES case reads "expected: ..." when it fails and "fail: ..."
+    when it passes (the probe no longer proves the rule). A row whose status starts with
+    "unsupported" (no second compile-only device for a TP case) is recorded, expected.
+    """
+    why = _failure(row)
+    reason = KNOWN_EXPECTED_FAILURES.get(row["case"])
+    if reason is not None:
+        if why is None:
+            return f"fail: expected to fail ({reason}) but passed"
+        return f"expected: {reason} ({why})"
+    if row["status"].startswith("unsupported"):
+        return f"expected: {row['status']}"
+    return "pass" if why is None else f"fail: {why}"
+
+
+def _failure(row: dict) -> str | None:
+    """Why the row breaks the rule, or None."""
     status = row["status"]
     if status.startswith("rejected"):
-        return "expected: rejected by the kernels' validation"
+        return f"the kernels' validation rejects this shape: {status[len('rejected: ') :]}"
+    if status.startswith("unsupported"):
+        return None
     if status != "ok":
-        return f"fail: {status}"
+        return status
     if (row.get("smem_bytes") or 0) > SMEM_LIMIT_BYTES:
-        return f"fail: dynamic shared memory {row['smem_bytes']} B > {SMEM_LIMIT_BYTES} B"
+        return f"dynamic shared memory {row['smem_bytes']} B > {SMEM_LIMIT_BYTES} B"
     spill = max(row.get("spill_bytes_nvjitlink") or 0, row.get("spill_bytes_ptxas") or 0)
     if spill:
-        if row["dtype"] in NO_SPILL_DTYPES:
-            return f"fail: spills {spill} B in a {row['dtype']} kernel"
-        return f"expected: spills {spill} B ({row['dtype']})"
-    return "pass"
+        return f"spills {spill} B in a {row['dtype']} kernel"
+    return None
 
 
 def failures(rows: list[dict]) -> list[str]:
@@ -285,6 +344,15 @@ ROW_KEYS = (
     "compile_s",
     "roofline_bytes",
     "roofline_us",
+    "cp_async",
+    "cp_async_bulk",
+    "max_wait_group",
+    "loop_commit_groups",
+    "loop_ld_global",
+    "loop_ld_global_vector",
+    "kv_buffers_in_flight",
+    "tp",
+    "collectives",
 )
 
 
@@ -300,6 +368,7 @@ def base_row(case: Case, kernel: str) -> dict:
         block_size=case.block_size,
         batch=case.batch,
         context=case.context,
+        tp=case.tp,
     )
     return row
 
@@ -388,6 +457,110 @@ def parse_assembler_log(text: str) -> tuple[int | None, int]:
     return (max(regs) if regs else None), (max(spills) if spills else 0)
 
 
+# ------------------------------------------------------------------- buffers in flight
+
+_LABEL = re.compile(r"^(\$?[\w$]+):")
+_BRANCH = re.compile(r"^(?:@!?%\w+\s+)?bra(?:\.uni)?\s+(\$?[\w$]+);")
+_PRED = re.compile(r"^@!?%\w+\s+")
+# Where a loaded tile is consumed: a shared-memory read, or math on what was read.
+_CONSUME = re.compile(r"^(?:ld\S*\.shared|wgmma\.mma_async|mma\.|ex2\.|fma\.rn)")
+BUFFERING_KEYS = (
+    "cp_async",
+    "cp_async_bulk",
+    "max_wait_group",
+    "loop_commit_groups",
+    "loop_ld_global",
+    "loop_ld_global_vector",
+    "kv_buffers_in_flight",
+)
+
+
+def _instructions(ptx: str) -> list[str]:
+    """The PTX's labels and instructions, one per line, comments and predicates removed."""
+    out = []
+    for line in ptx.splitlines():
+        line = _PRED.sub("", line.split("//")[0].strip())
+        if line:
+            out.append(line)
+    return out
+
+
+def _outstanding(lines: list[str], start: int) -> tuple[int, list[int]]:
+    """Walks straight-line code counting cp.async groups not yet waited for: (the count at
+    the end, the count at each point where a tile is consumed)."""
+    pending, at_consume = start, []
+    for ins in lines:
+        if ins.startswith("cp.async.commit_group"):
+            pending += 1
+        elif ins.startswith("cp.async.wait_group"):
+            pending = min(pending, int(ins.split()[1].rstrip(";")))
+        elif ins.startswith("cp.async.wait_all"):
+            pending = 0
+        elif _CONSUME.match(ins):
+            at_consume.append(pending)
+    return pending, at_consume
+
+
+def ptx_buffering(ptx: str) -> dict:
+    """How a kernel's tiles reach shared memory, from its PTX.
+
+    The main loop is the backward branch whose body holds the most async copies and
+    shared-memory reads. Walking the prologue and then the body twice (the second pass is
+    the steady state) counts the cp.async groups still in flight wherever the body consumes
+    a tile; each iteration commits ``loop_commit_groups`` groups, so that many groups are
+    one tile. ``kv_buffers_in_flight`` = 1 + tiles still loading while one is consumed:
+    1 = single-buffered (every load completes before compute), 2 = double-buffered, ...;
+    1 also for a loop with no async copies (its loads are synchronous), None without a
+    loop. TMA (``cp.async.bulk``) copies are counted; they complete on mbarriers, which
+    this count does not follow.
+
+    Args:
+        ptx: One kernel's PTX text.
+
+    Returns:
+        A dict keyed by BUFFERING_KEYS.
+    """
+    lines = _instructions(ptx)
+    labels = {m.group(1): i for i, ins in enumerate(lines) if (m := _LABEL.match(ins))}
+    loops = []
+    for end, ins in enumerate(lines):
+        m = _BRANCH.match(ins)
+        if m and labels.get(m.group(1), end) < end:
+            body = lines[labels[m.group(1)] + 1 : end]
+            weight = sum(1 for b in body if b.startswith("cp.async") or _CONSUME.match(b))
+            loops.append((weight, len(body), labels[m.group(1)], end))
+    waits = [int(ins.split()[1].rstrip(";")) for ins in lines
+             if ins.startswith("cp.async.wait_group")]  # fmt: skip
+    out = dict.fromkeys(BUFFERING_KEYS)
+    out.update(
+        cp_async=sum(1 for ins in lines if re.match(r"cp\.async\.c[ag]\.", ins)),
+        cp_async_bulk=sum(
+            1 for ins in lines if ins.startswith("cp.async.bulk") and ".global" in ins
+        ),
+        max_wait_group=max(waits) if waits else None,
+        loop_commit_groups=0,
+        loop_ld_global=0,
+        loop_ld_global_vector=0,
+    )
+    if not loops:
+        return out
+    _, _, first, end = max(loops)
+    body = lines[first + 1 : end]
+    commits = sum(1 for ins in body if ins.startswith("cp.async.commit_group"))
+    loads = [ins for ins in body if ins.startswith("ld.global")]
+    pending, _ = _outstanding(lines[:first], 0)
+    pending, _ = _outstanding(body, pending)
+    _, at_consume = _outstanding(body, pending)
+    in_flight = max(at_consume, default=0)
+    out.update(
+        loop_commit_groups=commits,
+        loop_ld_global=len(loads),
+        loop_ld_global_vector=sum(1 for ins in loads if re.search(r"\.v[248]\.", ins)),
+        kv_buffers_in_flight=1 + (-(-in_flight // commits) if commits else 0),
+    )
+    return out
+
+
 def ptxas_stats(tools: Toolchain, ptx: pathlib.Path) -> tuple[int | None, int]:
     out = subprocess.run(
         [tools.ptxas, f"-arch={ARCH}", "--warn-on-spills", "-v", str(ptx), "-o", os.devnull],
@@ -459,6 +632,18 @@ def kernel_launches(dump: pathlib.Path) -> dict[str, dict]:
     return out
 
 
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+
+
+def collectives(dump: pathlib.Path) -> dict[str, int]:
+    """Cross-device ops in the optimized HLO (kind -> count): how a sharded step talks."""
+    out: dict[str, int] = {}
+    for path in dump.glob("*gpu_after_optimizations.txt"):
+        for kind in _COLLECTIVE.findall(path.read_text()):
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def kernel_ptx(dump: pathlib.Path) -> dict[str, pathlib.Path]:
     """Entry name -> the dumped PTX file that defines it, for our kernels."""
     out = {}
@@ -469,23 +654,40 @@ def kernel_ptx(dump: pathlib.Path) -> dict[str, pathlib.Path]:
     return out
 
 
+def entry_ptx(text: str, name: str) -> str:
+    """The part of a PTX module from `name`'s .entry to the next entry (or the end)."""
+    start = text.find(f".entry {name}(")
+    if start < 0:
+        return text
+    end = text.find(".entry ", start + 1)
+    return text[start : end if end > 0 else len(text)]
+
+
+def topology(num_devices: int) -> list:
+    """`num_devices` compile-only H200s of one host ("1x1xN": partitions x hosts x devices)."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=TARGET_CONFIG, topology=f"1x1x{num_devices}"
+    )
+    return list(topo.devices)
+
+
 class Target:
     """The compile-only H200 devices and the sharding every argument carries."""
 
     def __init__(self):
         import jax
-        from jax.experimental import topologies
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        topo = topologies.get_topology_desc(
-            platform="cuda", target_config=TARGET_CONFIG, topology="1x1x1"
-        )
-        self.device = topo.devices[0]
+        self.device = topology(1)[0]
         self.sharding = NamedSharding(Mesh([self.device], ("x",)), PartitionSpec())
         self.jax = jax
 
-    def spec(self, shape, dtype="int32"):
-        return self.jax.ShapeDtypeStruct(tuple(shape), _np_dtype(dtype), sharding=self.sharding)
+    def spec(self, shape, dtype="int32", sharding=None):
+        return self.jax.ShapeDtypeStruct(
+            tuple(shape), _np_dtype(dtype), sharding=sharding or self.sharding
+        )
 
 
 def kernel_fn_and_args(case: Case, t: Target):
@@ -501,6 +703,8 @@ def kernel_fn_and_args(case: Case, t: Target):
     kw = dict(scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     if case.num_splits:
         kw["num_splits"] = case.num_splits
+    if case.block_k:
+        kw["block_k"] = case.block_k
     if case.kernel == "decode":
         q = t.spec((case.batch, kv * case.group, d), case.q_dtype)
         args = (q, cache, cache, t.spec((case.batch, pages)), t.spec((case.batch,)))
@@ -537,7 +741,10 @@ MODEL_HF = {
 
 def step_fn_and_args(case: Case, t: Target):
     """The engine's jitted step of a two-layer model, with abstract weights (nothing of
-    the 8B-shaped weights is allocated) and a pool sized like a real 32-layer deployment."""
+    the 8B-shaped weights is allocated) and a pool sized like a real 32-layer deployment.
+    With ``case.tp > 1`` the Runner builds its tensor-parallel step (weights split by the
+    family's partition rules, caches by KV head, kernels per shard) over compile-only
+    devices; `compile_only_tensor_parallel` stands in for what needs real arrays."""
     import jax
     from flax import nnx
 
@@ -559,8 +766,18 @@ def step_fn_and_args(case: Case, t: Target):
         max_model_len=case.context,
         attention_backend="pallas",
         dtype="bfloat16",
+        tensor_parallel_size=case.tp,
     )
-    runner = Runner(model, engine_config)
+    if case.tp == 1:
+        runner = Runner(model, engine_config)
+        rep = kv = t.sharding
+        weight_specs = None
+    else:
+        tp = compile_only_tensor_parallel(model, case.tp)
+        with tp.patch_runner():
+            runner = Runner(model, engine_config)
+        rep, kv = tp.replicated, tp.kv_sharding
+        weight_specs = tp.weight_specs(runner.weights)
     groups = model_kv_cache_groups(model)  # Gemma 2: a full and a sliding-window group
     step = InputBatch(engine_config, kv_cache_groups=groups).dummy_step_input(
         case.num_tokens, case.batch, decode_only=case.decode_only
@@ -570,14 +787,88 @@ def step_fn_and_args(case: Case, t: Target):
 
     def spec(x):
         shape = tuple(getattr(x, "shape", ()))
-        return t.spec(shape, str(x.dtype))
+        return t.spec(shape, str(x.dtype), sharding=rep)
 
     args = list(jax.tree.map(spec, runner.step_args(step)))
+    if weight_specs is not None:
+        args[0] = weight_specs
     args[1] = [
-        tuple(t.spec((pool_blocks, *k.shape[1:]), str(k.dtype)) for k in pair)
+        tuple(t.spec((pool_blocks, *k.shape[1:]), str(k.dtype), sharding=kv) for k in pair)
         for pair in runner.kv_caches
     ]
     return runner.jitted_step, tuple(args)
+
+
+def compile_only_tensor_parallel(model, tp: int):
+    """The Runner's TensorParallel on a mesh of `tp` compile-only H200s.
+
+    The real one places weights and zeroed caches on its devices, which compile-only
+    devices cannot hold; this one keeps the model abstract (its weights become
+    ShapeDtypeStructs carrying the partition rules' shardings) and its caches specs.
+    The mesh, the per-shard ops and the logits gather are TensorParallel's own.
+    """
+    import contextlib
+    from unittest import mock
+
+    import jax
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import Mesh, NamedSharding
+
+    from paged_jax.models.partitioning import TP_AXIS, param_shardings, tensor_parallel_config
+    from paged_jax.worker import runner as runner_module
+    from paged_jax.worker.sharding import KV_CACHE_SPEC, REPLICATED, TensorParallel
+
+    if tensor_parallel_config(model.config, tp) != model.config:
+        raise ValueError(f"tp={tp}: the compile check does not repeat KV heads")
+
+    class CompileOnlyTensorParallel(TensorParallel):
+        def __init__(self):  # noqa: D107 - TensorParallel's fields, no device transfers
+            self.mesh = Mesh(np.array(topology(tp)), (TP_AXIS,))
+            self.size = tp
+            self.model = model
+            self.replicated_fallbacks = []
+            self.kv_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
+            self.replicated = NamedSharding(self.mesh, REPLICATED)
+
+        def init_kv_caches(self, num_blocks: int, block_size: int) -> list:
+            shapes = jax.eval_shape(lambda: model.init_kv_caches(num_blocks, block_size))
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.kv_sharding),
+                shapes,
+            )
+
+        def weight_specs(self, weights):
+            shardings, _ = param_shardings(type(model).partition_rules, weights, self.mesh)
+            flat = []
+            for path, var in nnx.to_flat_state(weights):
+                value = var.get_value()
+                sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path])
+                flat.append((path, sds))
+            return nnx.State.from_flat_path(flat)
+
+        @contextlib.contextmanager
+        def patch_runner(self):
+            # The Runner builds TensorParallel(model, tp) and device_puts its row tokens
+            # replicated; here the step's arguments are specs, so both are stood in for.
+            with (
+                mock.patch.object(runner_module, "TensorParallel", lambda *_: self),
+                mock.patch.object(jax, "device_put", lambda x, *_, **__: x),
+            ):
+                yield
+
+    return CompileOnlyTensorParallel()
+
+
+def tensor_parallel_unsupported(tp: int) -> str | None:
+    """Why `tp` compile-only devices cannot be had here, or None when they can."""
+    try:
+        found = len(topology(tp))
+    except Exception as e:  # noqa: BLE001 - the reason is the row's status
+        return f"get_topology_desc(topology='1x1x{tp}') failed: {type(e).__name__}: {e}"[:400]
+    if found < tp:
+        return f"get_topology_desc(topology='1x1x{tp}') gave {found} devices, not {tp}"
+    return None
 
 
 def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
@@ -592,6 +883,13 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
         "copy_blocks": "paged_copy_blocks",
     }.get(case.kernel, "step")
     start = time.perf_counter()
+    if case.tp > 1:
+        missing = tensor_parallel_unsupported(case.tp)
+        if missing:
+            row = base_row(case, first_kernel)
+            row["status"] = f"unsupported: {missing}"
+            row["verdict"] = verdict(row)
+            return [row]
     try:
         fn, args = (step_fn_and_args if is_step else kernel_fn_and_args)(case, t)
         jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
@@ -616,6 +914,7 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
             return [row]
         compile_s = time.perf_counter() - start
         launches, ptx = kernel_launches(dump), kernel_ptx(dump)
+        comms = collectives(dump) if is_step else None
         rows = []
         for name in sorted(launches):
             row = base_row(case, name)
@@ -626,12 +925,14 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
                 warps=launch["threads"] // 32,
                 smem_bytes=launch["smem"],
                 compile_s=round(compile_s, 2),
+                collectives=comms,
             )
             if name in ptx:
                 row["regs_nvjitlink"], row["spill_bytes_nvjitlink"] = nvjitlink_stats(
                     tools, ptx[name]
                 )
                 row["regs_ptxas"], row["spill_bytes_ptxas"] = ptxas_stats(tools, ptx[name])
+                row.update(ptx_buffering(entry_ptx(ptx[name].read_text(), name)))
             else:
                 row["status"] = "error: no PTX dumped for this kernel"
             if not is_step:
@@ -651,6 +952,22 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
 # ------------------------------------------------------------------------------ main
 
 
+def kernels_revision() -> str:
+    """The git commit of the tree the kernels are imported from, "+dirty" when its
+    kernel or model sources differ from it (a report says what it measured)."""
+    import pallas_kernels
+
+    root = pathlib.Path(pallas_kernels.__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        out = subprocess.run(["git", "-C", str(root), *cmd], capture_output=True, text=True)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--", "pallas_kernels", "paged_jax", "models")
+    return f"{root}@{commit}" + ("+dirty" if dirty else "")
+
+
 def write_report(path: pathlib.Path, header: dict, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dict(header, failures=failures(rows), rows=rows)
@@ -666,17 +983,27 @@ def print_row(row: dict) -> None:
     print(
         f"{row['case'][:52]:52s} {row['kernel'][:22]:22s} grid {grid:>11s} w{row['warps'] or '-'}"
         f" regs {regs:>7s} spill {spill:>7s} smem {row['smem_bytes'] or 0:>6} "
+        f"kv-buf {row.get('kv_buffers_in_flight') or '-'} "
         f"{row['compile_s'] or 0:5.1f}s  {row['verdict'][:60]}",
         flush=True,
     )
+
+
+def buffering_cell(row: dict) -> str:
+    """ "2 (96, wait 2)": buffers in flight, cp.async count, deepest wait_group; "-" if unknown."""
+    buffers = row.get("kv_buffers_in_flight")
+    if buffers is None:
+        return "-"
+    wait = row.get("max_wait_group")
+    return f"{buffers} ({row.get('cp_async') or 0}, wait {'-' if wait is None else wait})"
 
 
 def markdown_table(rows: list[dict], pattern: str = "") -> str:
     """The rows (those whose case matches `pattern`) as the table in docs/kernels.md."""
     lines = [
         "| case | kernel | grid | warps | regs nvJitLink / ptxas | spill B (stores) | smem B "
-        "| roofline us | verdict |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| K/V buffers in flight (cp.async, wait) | roofline us | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if not re.search(pattern, r["case"]):
@@ -688,8 +1015,51 @@ def markdown_table(rows: list[dict], pattern: str = "") -> str:
         us = f"{r['roofline_us']:.1f}" if r["roofline_us"] is not None else "-"
         lines.append(
             f"| {r['case']} | {r['kernel']} | {grid} | {r['warps'] or '-'} | {regs} | {spill} "
-            f"| {smem} | {us} | {r['verdict'].split(' (')[0]} |"
+            f"| {smem} | {buffering_cell(r)} | {us} | {r['verdict'].split(' (')[0]} |"
         )
+    return "\n".join(lines)
+
+
+def _cells(r: dict | None) -> dict[str, str]:
+    """The compare table's columns of one row (all "-" for a missing row)."""
+    if r is None or r["status"] != "ok":
+        cells = dict.fromkeys(("grid", "nvjitlink", "ptxas", "spill", "smem", "buffers"), "-")
+    else:
+        cells = dict(
+            grid="x".join(map(str, r["grid"])) if r["grid"] else "-",
+            nvjitlink=str(r["regs_nvjitlink"] or "-"),
+            ptxas=str(r["regs_ptxas"] or "-"),
+            spill=f"{r['spill_bytes_nvjitlink'] or 0} / {r['spill_bytes_ptxas'] or 0}",
+            smem=f"{r['smem_bytes']:,}" if r["smem_bytes"] is not None else "-",
+            buffers=buffering_cell(r),
+        )
+    cells["verdict"] = "-" if r is None else r["verdict"].split(":")[0]
+    return cells
+
+
+def compare_table(before: list[dict], after: list[dict], pattern: str = "") -> str:
+    """Before/after resources of the cases both reports hold, as markdown: "a → b" where
+    a value changed. Kernels of a case are matched by name (a kernel only one side has
+    shows "-" on the other)."""
+    lines = [
+        "| case | kernel | grid | regs nvJitLink | regs ptxas | spill B (nvJitLink / ptxas) "
+        "| smem B | K/V buffers in flight (cp.async, wait) | verdict |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    after_cases = {r["case"] for r in after}
+    for case in dict.fromkeys(r["case"] for r in before if r["case"] in after_cases):
+        if not re.search(pattern, case):
+            continue
+        old = {r["kernel"]: r for r in before if r["case"] == case}
+        new = {r["kernel"]: r for r in after if r["case"] == case}
+        # A case that did not compile before has one placeholder row; pair it with the
+        # after row of the same kernel name, or with the only one.
+        if len(new) == 1 and len(old) == 1 and set(old) != set(new):
+            new = {next(iter(old)): next(iter(new.values()))}
+        for kernel in dict.fromkeys([*old, *new]):
+            b, a = _cells(old.get(kernel)), _cells(new.get(kernel))
+            cols = [b[k] if b[k] == a[k] else f"{b[k]} → {a[k]}" for k in b]
+            lines.append(f"| {case} | {kernel} | " + " | ".join(cols) + " |")
     return "\n".join(lines)
 
 
@@ -702,7 +1072,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table", metavar="JSON", help="print a report's rows (--only filters) as markdown"
     )
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("BEFORE", "AFTER"),
+        help="print the before/after resource table of two reports (--only filters)",
+    )
     args = parser.parse_args(argv)
+    if args.compare:
+        before, after = (json.loads(pathlib.Path(p).read_text())["rows"] for p in args.compare)
+        print(compare_table(before, after, args.only or ""))
+        return 0
     if args.table:
         rows = json.loads(pathlib.Path(args.table).read_text())["rows"]
         print(markdown_table(rows, args.only or ""))
@@ -732,15 +1112,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     header = dict(
         target="NVIDIA H200 (sm_90a), deviceless compile",
-        command=f"python scripts/gpu_compile_check.py --grid {args.grid}",
+        command=f"python scripts/gpu_compile_check.py --grid {args.grid}"
+        + (f" --only '{args.only}'" if args.only else ""),
+        kernels_revision=kernels_revision(),
         jax_version=jax.__version__,
         ptxas=ptxas_version,
         smem_limit_bytes=SMEM_LIMIT_BYTES,
         bandwidth_bytes_per_s=roofline.H200_BYTES_PER_S,
         rule=(
-            "fail on a compile error, a spill in a bf16/f16/fp8 kernel, or dynamic shared "
-            "memory over the limit; validation rejections and f32 spills are recorded"
+            "fail on a compile error, a validation rejection, a spill in any kernel (f32 "
+            "included), or dynamic shared memory over the limit; known_expected_failures "
+            "(oversized probes) must fail"
         ),
+        known_expected_failures=KNOWN_EXPECTED_FAILURES,
         num_kv_heads=NUM_KV_HEADS,
     )
     target = Target()
