@@ -183,17 +183,17 @@ def test_roofline_column_of_a_decode_case():
 )
 def test_tiny_cases_compile_for_an_h200(tmp_path):
     out = tmp_path / "rows.json"
-    only = "^(copy_blocks-bf16|decode-bf16-d64-g1-bs32|decode-bf16-d80)"
+    only = "^(copy_blocks-bf16-d128|decode-bf16-d64-g1-bs32|decode-bf16-d80)"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     cmd = [sys.executable, str(SCRIPT), "--grid", "ci", "--only", only, "--output", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    rows = {r["kernel"]: r for r in json.loads(out.read_text())["rows"] if r["status"] == "ok"}
-    decode = rows["paged_decode_attention"]
+    rows = {r["case"]: r for r in json.loads(out.read_text())["rows"] if r["status"] == "ok"}
+    decode = rows["decode-bf16-d64-g1-bs32-b64x8k"]
     assert decode["grid"] == [64, 8, 1] and decode["warps"] == 4
     assert 0 < decode["smem_bytes"] <= gcc.SMEM_LIMIT_BYTES
     assert decode["regs_nvjitlink"] > 0 and decode["regs_ptxas"] > 0
-    assert rows["paged_copy_blocks"]["smem_bytes"] == 0
+    assert rows["copy_blocks-bf16-d128-g4-bs16-n64"]["smem_bytes"] == 0
     report = json.loads(out.read_text())
     # head_dim 80 is served (masked to 128), not rejected
     d80 = [r for r in report["rows"] if r["head_dim"] == 80]
