@@ -1,20 +1,27 @@
 """Benchmark paged decode: our Pallas kernel vs JAX's own Pallas paged_attention vs XLA.
 
-On a GPU: decode at batch {1, 64, 256} x context {2k, 8k}, Llama-3-8B-like heads (32 q /
-8 kv, head_dim 128, bf16, block 16), for three implementations:
+On a GPU: decode at batch {256, 64, 1} x context {8k, 2k}, biggest cell first (so a time
+limit cuts the small cells), Llama-3-8B-like heads (32 q / 8 kv, head_dim 128, bf16,
+block 16). Each cell times three implementations side by side in one process:
 
 * ``pallas``: ``pallas_kernels.paged_attention`` (this repo's decode kernel);
 * ``jax_pallas``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (JAX's Triton op,
-  head-major pages, q pre-scaled since it applies no softmax scale);
+  head-major pages, q pre-scaled since it applies no softmax scale), when importable;
 * ``xla_gather``: ``pallas_kernels.reference.paged_attention`` (plain XLA: gather the
-  pages through the block table in 128-key chunks, masked softmax).
+  pages through the block table in chunks, masked softmax).
 
-Each cell is timed as one jitted ``fori_loop`` of N calls (N sized so the loop runs for
-~30 ms) and divided by N, so small cells measure the device, not Python dispatch. The
-figure of merit is K/V bytes read per second as a fraction of the H200's 4.8 TB/s. The
-JSON (--output) is rewritten after every cell, so a run cut short keeps what it measured.
-``--dry-run`` prints the plan and its time budget without touching a device. On CPU
-(without --dry-run) it says it needs a GPU and runs a kernel-vs-reference smoke instead.
+Per implementation: median (min, max) microseconds per call, achieved bytes/s, and the
+fraction of 4.8 TB/s (``pallas_kernels.roofline``: every byte the call must move, at
+peak); per cell: the roofline time and our speedup over the other two. Every output is
+compared with the XLA reference (relative L2 error); the script exits 1 when one
+disagrees or our kernel fails. Timing: one jitted ``fori_loop`` of n dependent calls
+(n traced, sized so a loop runs ~30 ms; n = 1 also gives the output to compare), REPS
+timed loops after a warm-up. The pool holds only the blocks the biggest cell needs,
+capped under 4 GiB per array as a real pool is (int32 element offsets); past the cap a
+few blocks are shared between sequences, and the JSON says how many. The JSON
+(--output) is rewritten after every implementation. ``--dry-run`` prints the cell order
+and its time budget without touching a device. On CPU (without --dry-run) it says it
+needs a GPU and runs a kernel-vs-reference smoke instead.
 
     python scripts/bench_kernels.py --output gpu_results/bench_kernels.json
     python scripts/bench_kernels.py --dry-run
@@ -28,14 +35,15 @@ import pathlib
 import time
 import warnings
 from collections.abc import Callable
-from functools import partial
+
+from pallas_kernels import roofline
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE_NAME = "bfloat16"
-BATCHES = (1, 64, 256)
-CONTEXTS = (2048, 8192)
+BATCHES = (256, 64, 1)  # biggest first
+CONTEXTS = (8192, 2048)
 IMPLS = ("pallas", "jax_pallas", "xla_gather")
-H200_PEAK_GBPS = 4800.0
+H200_PEAK_GBPS = roofline.H200_BYTES_PER_S / 1e9
 PEAK_GBPS = {
     "H200": H200_PEAK_GBPS,
     "H100 SXM": 3350.0,
@@ -43,26 +51,42 @@ PEAK_GBPS = {
     "H100": 3350.0,
     "A100": 2039.0,
 }
+# A real pool's arrays stay under 4 GiB (2^31 16-bit elements: int32 offsets suffice).
+MAX_POOL_ARRAY_BYTES = 2**32 - 1
+MAX_REL_ERR = 2e-2  # bf16 inputs and outputs
 LOOP_SECONDS = 0.03  # device time of one timed loop
-REPS = 3  # timed loops per cell (median)
+REPS = 3  # timed loops per implementation (median)
 # Planning figures for the dry run's budget (seconds): a compile per (cell, impl), the
 # timed loops, and the one-off start (jax import, cache fill, head-major copy).
 PLAN_COMPILE_S = 4.0
 PLAN_START_S = 20.0
 
 
-def cells() -> list[tuple[int, int, str]]:
-    return [(b, c, impl) for b in BATCHES for c in CONTEXTS for impl in IMPLS]
+def cells() -> list[tuple[int, int]]:
+    """(batch, context) in run order: the most bytes first."""
+    return sorted(((b, c) for b in BATCHES for c in CONTEXTS), key=lambda bc: -bc[0] * bc[1])
 
 
 def plan_seconds() -> float:
-    per_cell = PLAN_COMPILE_S + (REPS + 1) * LOOP_SECONDS + 0.5
-    return PLAN_START_S + len(cells()) * per_cell
+    per_impl = PLAN_COMPILE_S + (REPS + 2) * LOOP_SECONDS + 0.5
+    return PLAN_START_S + len(cells()) * len(IMPLS) * per_impl
 
 
 def kv_bytes(contexts: list[int], itemsize: int = 2) -> int:
     """K and V bytes a decode call must read at least once: every context token, every KV head."""
     return sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * itemsize
+
+
+def block_bytes(itemsize: int = 2) -> int:
+    return NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * itemsize
+
+
+def pool_blocks(itemsize: int = 2) -> tuple[int, int]:
+    """(blocks in the pool, blocks the biggest cell must share): what the cells need plus
+    the null block, capped so each cache array stays under 4 GiB."""
+    needed = max(b * -(-c // BLOCK_SIZE) for b, c in cells()) + 1
+    cap = MAX_POOL_ARRAY_BYTES // block_bytes(itemsize)
+    return min(needed, cap), max(0, needed - cap)
 
 
 def peak_gbps(device_kind: str) -> float | None:
@@ -76,47 +100,65 @@ def loop_count(nbytes: int) -> int:
     return int(min(2000, max(10, LOOP_SECONDS * 3e12 / max(nbytes, 1))))
 
 
-def time_in_loop(attend: Callable, q, n: int) -> float:
-    """Seconds per call of `attend(q)`, from one jitted fori_loop of n dependent calls.
+def time_in_loop(attend: Callable, q, n: int) -> tuple[list[float], object]:
+    """(seconds per call of each timed loop, attend(q)) from one jitted loop of n calls.
 
-    Each call's q depends on the previous output (a 1e-3 nudge), so XLA can neither
-    hoist nor merge the calls; one dispatch and one sync per loop.
+    n is traced, so one compile serves both the single call whose output is compared
+    and the timed loops. Each call's q is nudged by the previous output (1e-3), so XLA
+    can neither hoist nor merge the calls; one dispatch and one sync per loop.
     """
     import jax
+    import jax.numpy as jnp
 
-    def body(_, q):
-        return q + (attend(q) * 1e-3).astype(q.dtype)
+    def body(_, carry):
+        x, _ = carry
+        o = attend(x)
+        return x + (o * 1e-3).astype(x.dtype), o
 
-    looped = jax.jit(lambda q: jax.lax.fori_loop(0, n, body, q))
-    jax.block_until_ready(looped(q))  # compile + warm up
+    looped = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, body, (x, jnp.zeros_like(x))))
+    _, out = jax.block_until_ready(looped(q, 1))  # compile, and the output to compare
+    jax.block_until_ready(looped(q, n))  # warm-up
     samples = []
     for _ in range(REPS):
         start = time.perf_counter()
-        jax.block_until_ready(looped(q))
+        jax.block_until_ready(looped(q, n))
         samples.append((time.perf_counter() - start) / n)
-    return sorted(samples)[len(samples) // 2]
+    return samples, out
+
+
+def rel_err(got, want) -> float:
+    import numpy as np
+
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def jax_paged_attention():
-    """JAX's own Pallas GPU paged_attention, or None where it cannot be imported."""
+    """(JAX's own Pallas GPU paged_attention, None) or (None, why it cannot be imported)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from jax.experimental.pallas.ops.gpu import paged_attention as mod
-        return mod.paged_attention
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
+        return mod.paged_attention, None
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i32[S])
-    """Block tables over a random permutation of the cache's blocks (scattered pages)."""
+    """Block tables over a random permutation of the pool's blocks (scattered pages).
+
+    Blocks are dealt from the permutation in order and the deal wraps around when the
+    contexts need more than the pool holds (then a few blocks are shared).
+    """
     import jax.numpy as jnp
     import numpy as np
-    from jax.experimental.pallas import cdiv
 
-    needed = [cdiv(c, BLOCK_SIZE) for c in contexts]
-    width = cdiv(max(needed), 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
-    ids = rng.permutation(np.arange(1, num_blocks))[: sum(needed)]
+    needed = [-(-c // BLOCK_SIZE) for c in contexts]
+    width = -(-max(needed) // 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
+    perm = rng.permutation(np.arange(1, num_blocks))
+    ids = perm[np.arange(sum(needed)) % perm.size]
     tables = np.zeros((len(contexts), width), np.int32)
     cursor = 0
     for i, n in enumerate(needed):
@@ -126,7 +168,7 @@ def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i3
 
 
 class Report:
-    """The JSON report, rewritten after every cell."""
+    """The JSON report, rewritten after every change."""
 
     def __init__(self, path: pathlib.Path, header: dict):
         self.path = path
@@ -150,12 +192,13 @@ def run_gpu(args) -> int:
     import numpy as np
 
     import pallas_kernels as pk
-    from pallas_kernels import reference, roofline
+    from pallas_kernels import reference
 
     device = jax.devices()[0]
     peak = args.peak_gbps or peak_gbps(device.device_kind) or H200_PEAK_GBPS
     dtype = jnp.dtype(DTYPE_NAME)
-    theirs = jax_paged_attention()
+    theirs, theirs_missing = jax_paged_attention()
+    num_blocks, shared = pool_blocks(dtype.itemsize)
     report = Report(
         pathlib.Path(args.output),
         dict(
@@ -163,6 +206,7 @@ def run_gpu(args) -> int:
             peak_gbps=peak,
             jax_version=jax.__version__,
             jax_pallas_available=theirs is not None,
+            jax_pallas_missing=theirs_missing,
             shapes=dict(
                 num_q_heads=NUM_Q_HEADS,
                 num_kv_heads=NUM_KV_HEADS,
@@ -170,16 +214,22 @@ def run_gpu(args) -> int:
                 block_size=BLOCK_SIZE,
                 dtype=DTYPE_NAME,
             ),
+            pool=dict(
+                num_blocks=num_blocks,
+                bytes_per_array=num_blocks * block_bytes(dtype.itemsize),
+                blocks_shared_by_the_biggest_cell=shared,
+            ),
             timing=dict(
-                method="jitted fori_loop of n dependent calls, seconds / n",
+                method="jitted fori_loop of n dependent calls (n traced), seconds / n",
                 loop_seconds=LOOP_SECONDS,
                 reps=REPS,
-                statistic="median",
+                statistic="median (min, max)",
             ),
+            check=f"relative L2 error vs xla_gather <= {MAX_REL_ERR}",
+            fraction="roofline seconds (every byte at peak_gbps) / measured seconds",
         ),
     )
     rng = np.random.default_rng(0)
-    num_blocks = max(BATCHES) * max(CONTEXTS) // BLOCK_SIZE + 1
     key = jax.random.PRNGKey(0)
     shape = pk.kv_cache_shape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = jax.random.normal(key, shape, dtype)
@@ -189,68 +239,97 @@ def run_gpu(args) -> int:
         theirs_cache = (k_cache.transpose(1, 0, 2, 3), v_cache.transpose(1, 0, 2, 3))
     scale = HEAD_DIM**-0.5
     deadline = time.monotonic() + args.time_limit
-    for batch in BATCHES:
-        for context in CONTEXTS:
-            tables, lens = make_tables(rng, [context] * batch, num_blocks)
-            q = jax.random.normal(key, (batch, NUM_Q_HEADS, HEAD_DIM), dtype)
-            nbytes = kv_bytes([context] * batch, dtype.itemsize)
-            # Every byte the call must move (K/V, q, output, tables) at the device's peak.
-            floor = roofline.decode_traffic(
-                [context] * batch,
-                num_q_heads=NUM_Q_HEADS,
-                num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM,
-                block_size=BLOCK_SIZE,
-                cache_itemsize=dtype.itemsize,
-                q_itemsize=dtype.itemsize,
-            )
-            fns = {
-                "pallas": partial(
-                    lambda q, t, s: pk.paged_attention(q, k_cache, v_cache, t, s, scale=scale),
-                    t=tables,
-                    s=lens,
-                ),
-                "xla_gather": partial(
-                    lambda q, t, s: reference.paged_attention(
-                        q, k_cache, v_cache, t, s, scale=scale
-                    ),
-                    t=tables,
-                    s=lens,
-                ),
-            }
-            if theirs_cache is not None:
-                fns["jax_pallas"] = partial(
-                    lambda q, t, s: theirs(q * scale, *theirs_cache, t, s), t=tables, s=lens
+    failed = False
+    for batch, context in cells():
+        tables, lens = make_tables(rng, [context] * batch, num_blocks)
+        q = jax.random.normal(
+            jax.random.fold_in(key, batch * context), (batch, NUM_Q_HEADS, HEAD_DIM), dtype
+        )
+        # Every byte the call must move (K/V, q, output, tables) at the device's peak.
+        floor = roofline.decode_traffic(
+            [context] * batch,
+            num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE,
+            cache_itemsize=dtype.itemsize,
+            q_itemsize=dtype.itemsize,
+        )
+        fns = {
+            "pallas": lambda q, t=tables, s=lens: pk.paged_attention(
+                q, k_cache, v_cache, t, s, scale=scale
+            ),
+            "xla_gather": lambda q, t=tables, s=lens: reference.paged_attention(
+                q, k_cache, v_cache, t, s, scale=scale
+            ),
+        }
+        if theirs_cache is not None:
+            fns["jax_pallas"] = lambda q, t=tables, s=lens: theirs(q * scale, *theirs_cache, t, s)
+        row = dict(
+            batch=batch,
+            context=context,
+            kv_bytes=kv_bytes([context] * batch, dtype.itemsize),
+            roofline_bytes=floor.total_bytes,
+            roofline_us=floor.seconds(peak * 1e9) * 1e6,
+            impls={},
+        )
+        report.add(row)
+        outputs = {}
+        # The reference first: every other output is compared with it.
+        for impl in ("xla_gather", "pallas", "jax_pallas"):
+            res: dict = {}
+            row["impls"][impl] = res
+            if impl not in fns:
+                res["skipped"] = (
+                    f"jax.experimental.pallas.ops.gpu.paged_attention: {theirs_missing}"
                 )
-            for impl in IMPLS:
-                row = dict(batch=batch, context=context, impl=impl, kv_bytes=nbytes)
-                row["roofline_us"] = floor.seconds(peak * 1e9) * 1e6
-                if impl not in fns:
-                    row["skipped"] = (
-                        "jax.experimental.pallas.ops.gpu.paged_attention not importable"
+            elif time.monotonic() > deadline:
+                res["skipped"] = f"--time-limit={args.time_limit:.0f}s reached"
+            else:
+                n = loop_count(floor.total_bytes)
+                try:
+                    samples, outputs[impl] = time_in_loop(fns[impl], q, n)
+                    seconds = sorted(samples)[len(samples) // 2]
+                    res.update(
+                        calls_per_loop=n,
+                        us=seconds * 1e6,
+                        us_min=min(samples) * 1e6,
+                        us_max=max(samples) * 1e6,
+                        gbps=floor.total_bytes / seconds / 1e9,
+                        fraction_of_peak=floor.fraction(seconds, peak * 1e9),
                     )
-                elif time.monotonic() > deadline:
-                    row["skipped"] = f"--time-limit={args.time_limit}s reached"
-                else:
-                    n = loop_count(nbytes)
-                    try:
-                        seconds = time_in_loop(fns[impl], q, n)
-                        gbps = nbytes / seconds / 1e9
-                        row.update(calls_per_loop=n, us=seconds * 1e6, gbps=gbps)
-                        row["frac_peak"] = gbps / peak
-                        row["frac_roofline"] = floor.fraction(seconds, peak * 1e9)
-                    except Exception as e:  # noqa: BLE001 - keep measuring the other cells
-                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                report.add(row)
-                shown = (
-                    f"{row['us']:9.1f} us {row['gbps']:7.0f} GB/s {100 * row['frac_peak']:5.1f}% "
-                    f"(roofline {row['roofline_us']:.1f} us: {100 * row['frac_roofline']:5.1f}%)"
-                    if "us" in row
-                    else row.get("error", row.get("skipped", ""))[:70]
-                )
-                print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown}", flush=True)
-    print(f"wrote {report.path}")
-    return 0
+                except Exception as e:  # noqa: BLE001 - keep measuring the other cells
+                    res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    failed |= impl == "pallas"
+            if impl in outputs and impl != "xla_gather" and "xla_gather" in outputs:
+                res["rel_err_vs_xla_gather"] = err = rel_err(outputs[impl], outputs["xla_gather"])
+                res["agrees"] = err <= MAX_REL_ERR
+                failed |= not res["agrees"]
+            report.flush()
+            print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)}", flush=True)
+        ours = row["impls"]["pallas"].get("us")
+        for other in ("jax_pallas", "xla_gather"):
+            theirs_us = row["impls"][other].get("us")
+            if ours and theirs_us:
+                row[f"speedup_vs_{other}"] = theirs_us / ours
+        report.flush()
+        del outputs
+    print(
+        f"wrote {report.path}{'; FAILED: an output disagrees or our kernel failed' if failed else ''}"
+    )
+    return 1 if failed else 0
+
+
+def shown(res: dict) -> str:
+    if "us" not in res:
+        return res.get("error", res.get("skipped", ""))[:90]
+    agree = ""
+    if "rel_err_vs_xla_gather" in res:
+        agree = f"  err {res['rel_err_vs_xla_gather']:.1e}{'' if res['agrees'] else ' DISAGREES'}"
+    return (
+        f"{res['us']:9.1f} us ({res['us_min']:.1f}-{res['us_max']:.1f}) {res['gbps']:7.0f} GB/s "
+        f"{100 * res['fraction_of_peak']:5.1f}% of peak{agree}"
+    )
 
 
 def run_cpu_smoke(args) -> int:
@@ -302,16 +381,22 @@ def run_cpu_smoke(args) -> int:
 
 
 def print_plan(args) -> None:
+    num_blocks, shared = pool_blocks()
     print(
         f"bench_kernels plan: decode, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head_dim "
         f"{HEAD_DIM}, {DTYPE_NAME}, block {BLOCK_SIZE}; peak {H200_PEAK_GBPS:.0f} GB/s (H200)"
     )
-    for batch, context, impl in cells():
-        print(f"  cell decode b={batch} ctx={context} {impl}")
     print(
-        f"bench_kernels budget: {len(cells())} cells x ~{PLAN_COMPILE_S:.0f} s compile + "
-        f"{REPS + 1} loops x {LOOP_SECONDS * 1e3:.0f} ms, + {PLAN_START_S:.0f} s start = "
-        f"~{plan_seconds():.0f} s (stops starting cells after --time-limit={args.time_limit} s)"
+        f"bench_kernels pool: {num_blocks} blocks, {num_blocks * block_bytes()} B per array "
+        f"(< 4 GiB), {shared} blocks shared by the biggest cell"
+    )
+    for batch, context in cells():
+        for impl in IMPLS:
+            print(f"  cell decode b={batch} ctx={context} {impl}")
+    print(
+        f"bench_kernels budget: {len(cells()) * len(IMPLS)} cells x ~{PLAN_COMPILE_S:.0f} s "
+        f"compile + {REPS + 2} loops x {LOOP_SECONDS * 1e3:.0f} ms, + {PLAN_START_S:.0f} s start "
+        f"= ~{plan_seconds():.0f} s (stops starting cells after --time-limit={args.time_limit:.0f} s)"
     )
 
 
