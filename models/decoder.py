@@ -271,7 +271,7 @@ class CausalLM(nnx.Module):
             raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {layout.num_tensors}")
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
-        )
+        ).for_step()  # one plan cache per traced step: every layer shares the step's plan
         x = self.embed(token_ids, positions)
         new_caches = list(kv_caches)
         for i, (layer, t) in enumerate(zip(self.layers, layout.tensor_of_layer)):

@@ -23,7 +23,11 @@ class AttentionOps(NamedTuple):
     """The paged ops, each with the public signature of its reference in reference.py.
 
     ``validate`` says whether the ops were bound with ``validate=True`` (device-side
-    range checks under checkify; see validation.py).
+    range checks under checkify; see validation.py). ``takes_plan``: the attention ops
+    accept a step's precomputed ``plan=`` (pallas_kernels/plan.py), so ``step_attention``
+    computes it once per step and sends a mixed step's decode tokens to the decode
+    kernel (the Pallas kernels; the reference needs neither). ``plan_cache``: a dict in
+    which ``step_attention`` memoizes plans for the step being traced (``for_step``).
     """
 
     write_kv: Callable
@@ -31,6 +35,21 @@ class AttentionOps(NamedTuple):
     paged_attention: Callable
     copy_blocks: Callable
     validate: bool = False
+    takes_plan: bool = False
+    plan_cache: dict | None = None
+
+    def for_step(self) -> AttentionOps:
+        """These ops with a fresh plan cache: call once per traced step (one forward),
+        so every layer of the step shares its plan and no traced value outlives it."""
+        return AttentionOps(
+            self.write_kv,
+            self.ragged_paged_attention,
+            self.paged_attention,
+            self.copy_blocks,
+            self.validate,
+            self.takes_plan,
+            {},
+        )
 
 
 def _pallas_ops() -> AttentionOps:
@@ -41,7 +60,9 @@ def _pallas_ops() -> AttentionOps:
     from pallas_kernels.kv_write import write_kv
     from pallas_kernels.ragged_attention import ragged_paged_attention
 
-    return AttentionOps(write_kv, ragged_paged_attention, paged_attention, copy_blocks)
+    return AttentionOps(
+        write_kv, ragged_paged_attention, paged_attention, copy_blocks, takes_plan=True
+    )
 
 
 def _reference_ops() -> AttentionOps:
@@ -66,6 +87,7 @@ def _bind(ops: AttentionOps, validate: bool, **bound) -> AttentionOps:
         paged_attention=bind(ops.paged_attention),
         copy_blocks=bind(ops.copy_blocks),
         validate=validate,
+        takes_plan=ops.takes_plan,
     )
 
 
@@ -122,17 +144,59 @@ def get_attention_ops(
     raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, BACKEND_NAMES))}")
 
 
-# Attention of one engine step: the decode kernel when every row is a decode, else ragged.
+# Attention of one engine step. Decode rows always go to the decode kernel, whose program
+# packs all q heads of one KV head into one tile (one query row per sequence); the ragged
+# kernel would give each decode token a block_q-token query block, computing block_q
+# times the rows it needs. Whether the step is decode-only is a static Python bool chosen
+# on the host, so each (bucket, path) compiles once and the step never branches on device.
 #
-# A decode-only step (every sequence has exactly one new token, row i = sequence i) goes to
-# ``paged_attention``, whose program packs all q heads of one KV head into one tile (one
-# query row per sequence). The ragged kernel would instead give each decode token a
-# block_q-token query block, computing block_q times the rows it needs. Which path runs is
-# a static Python bool, chosen on the host per step, so each (bucket, path) compiles once
-# and the step never branches on device.
+#     decode-only step:  decode kernel (work list of key chunks) -> rows
+#     mixed step:        ragged kernel on the prefill chunks (decode sequences get no
+#                        query block) + decode kernel on the single-token sequences,
+#                        merged per row: out[t] = decode_row[t] ? dec[row_seq[t]] : ragged[t]
 #
-#     decode-only rows:  q[T]  = [s0 | s1 | s2 | ... | s(n-1) | pad ...]     (T >= or < S)
-#     decode kernel:     q[S]  = [s0 | s1 | ... | s(n-1) | pad(seq_len 0 -> 0)]
+# With ops that take a plan, the work tables are computed once per step (memoized in
+# ops.plan_cache by their static tiling) and shared by every layer. Ops without one (the
+# reference) get the decode kernel for decode-only steps and the ragged one otherwise.
+
+
+def _step_plan(ops, q, k_cache, seq_lens, query_start_loc, *, decode_only, sliding_window):
+    from pallas_kernels.decode_attention import decode_defaults
+    from pallas_kernels.plan import make_plan
+    from pallas_kernels.ragged_attention import ragged_block_q, ragged_defaults
+
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    block_k = decode_defaults(k_cache.dtype, head_dim, group, block_size)["block_k"]
+    block_q = ragged_block_q(
+        group, ragged_defaults(k_cache.dtype, head_dim, group, block_size)["block_q"]
+    )
+    key = (
+        num_tokens,
+        seq_lens.shape[0],
+        num_kv_heads,
+        block_k,
+        block_q,
+        decode_only,
+        sliding_window,
+    )
+    cache = ops.plan_cache
+    if cache is not None and key in cache:
+        return cache[key]
+    plan = make_plan(
+        seq_lens,
+        query_start_loc,
+        num_tokens=num_tokens,
+        num_kv_heads=num_kv_heads,
+        decode_block_k=block_k,
+        ragged_block_q=block_q,
+        decode_only=decode_only,
+        sliding_window=sliding_window,
+    )
+    if cache is not None:
+        cache[key] = plan
+    return plan
 
 
 def step_attention(
@@ -151,10 +215,11 @@ def step_attention(
     k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
     v_scale=None,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
-    """Ragged paged attention, through the decode kernel when ``decode_only``.
+    """Ragged paged attention of one step, decode rows through the decode kernel.
 
     Args:
-        ops: The backend's ops (``get_attention_ops``).
+        ops: The backend's ops (``get_attention_ops``; ``ops.for_step()`` once per traced
+            step shares one plan between the layers).
         decode_only: Static. True promises query_start_loc = [0, 1, ..., n, n, ..., n]:
             sequence i's single new token is row i; padded sequences have seq_len 0.
             Checked on device when ``ops.validate``.
@@ -166,12 +231,16 @@ def step_attention(
     kw = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if k_scale is not None or v_scale is not None:  # fp8 caches (others reject scales)
         kw.update(k_scale=k_scale, v_scale=v_scale)
+    if decode_only and ops.validate:
+        check_decode_rows(query_start_loc)
+    if ops.takes_plan:
+        return _planned_step(
+            ops, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_only, kw
+        )
     if not decode_only:
         return ops.ragged_paged_attention(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, **kw
         )
-    if ops.validate:
-        check_decode_rows(query_start_loc)
     num_tokens = q.shape[0]
     num_seqs = block_tables.shape[0]
     if num_tokens >= num_seqs:
@@ -185,3 +254,20 @@ def step_attention(
     if num_tokens >= num_seqs:
         return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
     return out[:num_tokens]
+
+
+def _planned_step(ops, q, k_cache, v_cache, block_tables, seq_lens, qsl, decode_only, kw):
+    """step_attention through kernels that take a plan (see the comment above)."""
+    plan = _step_plan(
+        ops, q, k_cache, seq_lens, qsl, decode_only=decode_only, sliding_window=kw["sliding_window"]
+    )
+    num_seqs = block_tables.shape[0]
+    dec = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, plan=plan, **kw)
+    dec_rows = dec[jnp.minimum(plan.row_seq, num_seqs - 1)]  # f[num_tokens, heads, d]
+    if decode_only:
+        other = jnp.zeros((), q.dtype)
+    else:
+        other = ops.ragged_paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, qsl, plan=plan, **kw
+        )
+    return jnp.where(plan.decode_row[:, None, None], dec_rows, other)

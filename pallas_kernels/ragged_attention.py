@@ -4,12 +4,16 @@ The flat query rows are cut into *query blocks* of block_q tokens that never str
 sequences (sequence i contributes cdiv(q_len_i, block_q) blocks). Their number is at most
 cdiv(num_tokens, block_q) + num_seqs, a static bound, so the grid is
 ``(cdiv(num_tokens, block_q) + num_seqs, num_kv_heads, num_splits)``; blocks past the
-real ones do no work. The block -> (sequence, first row) map is computed in XLA from
-query_start_loc. The kernel (``_attention_kernel.py``) masks causally inside each chunk
-over the cached prefix and the new tokens alike.
+real ones do no work but zero the padding rows. The block table of work items
+(pallas_kernels/plan.py) is computed in XLA from query_start_loc, once per engine step
+when ``step_attention`` passes its plan. The kernel (``_attention_kernel.py``) masks
+causally inside each chunk over the cached prefix and the new tokens alike.
 
     flat rows:   | seq0 (prefill, 37) | seq1 (chunk, 20) |s2|s3| padding ... |
-    q blocks:    [16][16][ 5]          [16][ 4]           [1][1]  (unused ...)
+    q blocks:    [16][16][ 5]          [16][ 4]           [1][1]  [pad rows]
+
+In an engine step (``step_attention`` with a plan), the single-token sequences s2, s3
+get no query block here: the decode kernel takes them with one token's rows per tile.
 """
 
 from __future__ import annotations
@@ -17,20 +21,24 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import (
     check_tiling,
-    combine_splits,
+    combine_rows,
     default_num_splits,
     default_num_warps,
-    group_queries,
     paged_flash_attention,
-    ungroup_output,
+    q_heads_per_tile,
 )
 from pallas_kernels.quantization import kv_scales_array
-from pallas_kernels.validation import check_attention_values, validate_attention_inputs
+from pallas_kernels.tuning import current_device_kind, tuned_config
+from pallas_kernels.validation import (
+    check_attention_values,
+    check_offsets_fit,
+    validate_attention_inputs,
+)
 
 
 def query_blocks(
@@ -38,16 +46,34 @@ def query_blocks(
     num_query_blocks: int,
     block_q: int,
 ):  # -> (i32[num_query_blocks] sequence (num_seqs = unused), i32[num_query_blocks] first row)
-    """Assigns each grid query block to a sequence and its first flat row."""
+    """Assigns each grid query block to a sequence and its first flat row (unused blocks:
+    the padding rows they zero). See ``plan.ragged_items``."""
     num_seqs = query_start_loc.shape[0] - 1
-    q_lens = jnp.maximum(query_start_loc[1:] - query_start_loc[:-1], 0)
-    blocks = (q_lens + block_q - 1) // block_q  # i32[num_seqs]
-    ends = jnp.cumsum(blocks)
-    j = jnp.arange(num_query_blocks, dtype=jnp.int32)
-    seq = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)  # num_seqs when unused
-    seq_c = jnp.minimum(seq, num_seqs - 1)
-    row = query_start_loc[seq_c] + (j - (ends[seq_c] - blocks[seq_c])) * block_q
-    return seq, jnp.where(seq < num_seqs, row, 0).astype(jnp.int32)
+    num_tokens = (num_query_blocks - num_seqs) * block_q
+    items = plans.ragged_items(query_start_loc, num_tokens, block_q)
+    return items[:, plans.ITEM_SEQ], items[:, plans.ITEM_ROW]
+
+
+def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[str, int]:
+    """block_q, block_k, num_stages (and num_warps if tuned) of the ragged kernel.
+
+    A tuned entry for this GPU (pallas_kernels/tuning.py) wins; else block_q 16,
+    block_k 64, 2 stages (warps from ``default_num_warps`` at the call).
+    """
+    tuned = tuned_config(
+        "ragged_paged_attention",
+        device_kind=current_device_kind(),
+        dtype=dtype,
+        head_dim=head_dim,
+        group=group,
+        block_size=block_size,
+    )
+    config = dict(block_q=16, block_k=64, num_stages=2)
+    if tuned:
+        config.update(
+            {k: tuned[k] for k in ("block_q", "block_k", "num_stages", "num_warps") if k in tuned}
+        )
+    return config
 
 
 @partial(
@@ -78,13 +104,14 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
     v_scale=None,
-    block_q: int = 16,
-    block_k: int = 64,
+    block_q: int | None = None,
+    block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool = False,
     validate: bool = False,
+    plan: plans.AttentionPlan | None = None,
 ):  # -> f[num_tokens, num_q_heads, head_dim]
     """Causal attention of every new token over its sequence's paged context.
 
@@ -94,9 +121,14 @@ def ragged_paged_attention(
 
     Args:
         block_q: Query tokens per program (power of two); rows per dot are
-            block_q * next_pow2(heads per KV head), raised to at least 16.
+            block_q * next_pow2(heads per KV head), raised to at least 16. None:
+            ``ragged_defaults`` (16 untuned).
         block_k, num_splits, num_warps, num_stages, interpret, validate: As in
-            ``paged_attention`` (validate also checks query_start_loc).
+            ``paged_attention`` (validate also checks query_start_loc); num_splits None
+            picks an even split count from the static shapes.
+        plan: A step's precomputed query blocks (``step_attention``). When its
+            ``skip_decode`` is set, rows of single-token sequences are left unwritten
+            (the step's decode kernel fills them).
         Others: as in ``paged_attention``.
 
     Returns:
@@ -115,36 +147,38 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )
+    check_offsets_fit("k_cache", k_cache)
+    check_offsets_fit("v_cache", v_cache)
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens, query_start_loc, q.shape[0])
     num_tokens, num_q_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
     _, num_kv_heads, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    defaults = ragged_defaults(k_cache.dtype, head_dim, group, block_size)
+    if plan is not None:
+        block_q = plan.ragged_block_q
+    block_q = defaults["block_q"] if block_q is None else block_q
+    block_k = defaults["block_k"] if block_k is None else block_k
+    num_stages = defaults["num_stages"] if num_stages is None else num_stages
+    num_warps = defaults.get("num_warps") if num_warps is None else num_warps
     check_tiling(head_dim, block_q=block_q, block_k=block_k)
     block_k = max(block_k, 16)
-    heads = pl.next_power_of_2(num_q_heads // num_kv_heads)
-    block_q = max(block_q, 16 // heads)  # at least 16 rows in the q tile
+    block_q = ragged_block_q(group, block_q)
+    heads = q_heads_per_tile(group, block_q)
+    tile_d = 1 << (head_dim - 1).bit_length()
     if num_warps is None:
-        num_warps = default_num_warps(block_q * heads, block_k, head_dim)
-    num_query_blocks = pl.cdiv(num_tokens, block_q) + num_seqs
+        num_warps = default_num_warps(block_q * heads, block_k, tile_d)
+    if plan is None:
+        items = plans.ragged_items(query_start_loc, num_tokens, block_q)
+    else:
+        items = plan.ragged_items
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = default_num_splits(num_query_blocks * num_kv_heads, max_context, block_k)
-    block_seq, block_row = query_blocks(query_start_loc, num_query_blocks, block_q)
-    # block_q spare rows: a block's row window never runs off the end of the buffers.
-    rows = num_tokens + block_q
-    o, lse = paged_flash_attention(
-        group_queries(q, num_kv_heads, heads, rows),
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        block_seq,
-        block_row,
-        kv_scales_array(k_scale, v_scale),
+        num_splits = default_num_splits(items.shape[0] * num_kv_heads, max_context, block_k)
+    kw = dict(
         block_q=block_q,
         block_k=block_k,
+        heads=heads,
         num_splits=num_splits,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -154,8 +188,23 @@ def ragged_paged_attention(
         interpret=interpret,
         name="ragged_paged_attention",
     )
-    out = combine_splits(o, lse)
-    # Rows no query block wrote (padding past query_start_loc[-1]) hold garbage: zero them.
-    row = jnp.arange(rows, dtype=jnp.int32)
-    out = jnp.where((row < query_start_loc[-1])[:, None, None, None], out, 0.0)
-    return ungroup_output(out, num_tokens, num_q_heads, q.dtype)
+    args = (
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        items,
+        kv_scales_array(k_scale, v_scale),
+    )
+    if num_splits == 1:  # unused items zero the padding rows: nothing to do after
+        out = paged_flash_attention(*args, out_mode="direct", **kw)
+        return out.reshape(q.shape)
+    o, lse = paged_flash_attention(*args, out_mode="rows", **kw)
+    return combine_rows(o, lse).reshape(q.shape).astype(q.dtype)
+
+
+def ragged_block_q(group: int, block_q: int) -> int:
+    """block_q raised so the q tile (block_q x next_pow2(group) rows) has >= 16 rows."""
+    return max(block_q, 16 // pl.next_power_of_2(group))

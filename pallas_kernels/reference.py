@@ -63,7 +63,7 @@ def _attend_rows(
     proportional to the rows' real context, not to the block table's padded width.
     """
     n, b, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, block_size, _ = k_cache.shape
+    num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     blocks_per_chunk = max(1, min(block_rows.shape[1], _KV_CHUNK_TOKENS // block_size))
     num_chunks = cdiv(block_rows.shape[1], blocks_per_chunk)
@@ -87,6 +87,10 @@ def _attend_rows(
         visible = key_pos <= positions[..., None]  # bool[n, b, chunk_tokens]
         if sliding_window is not None:
             visible &= key_pos > positions[..., None] - sliding_window
+        # A block id outside the pool is never followed: its keys are invisible.
+        page_ok = (blocks >= 0) & (blocks < num_blocks)  # bool[n, blocks_per_chunk]
+        visible &= jnp.repeat(page_ok, block_size, axis=1)[:, None, :]
+        blocks = jnp.where(page_ok, blocks, 0)
         k = gather(k_cache, blocks)
         if fp8:
             k = k.astype(q.dtype)

@@ -74,7 +74,7 @@ class SumModel(nnx.Module):
     ):
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
-        )
+        ).for_step()
         num_tokens = token_ids.shape[0]
         vocab = self.config.vocab_size
         v = jnp.zeros((num_tokens, 1, HEAD_DIM), jnp.float32)

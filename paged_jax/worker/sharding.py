@@ -121,13 +121,28 @@ def sharded_attention_ops(ops: pallas_kernels.AttentionOps, mesh: Mesh) -> Any:
         f = per_shard(ops.write_kv, (cache, cache, heads, heads, rep), (cache, cache), **kw)
         return f(k_cache, v_cache, k, v, slot_mapping)
 
-    def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, **kw):
-        f = per_shard(ops.ragged_paged_attention, (heads, cache, cache, rep, rep, rep), heads, **kw)
-        return f(q, k_cache, v_cache, block_tables, seq_lens, qsl)
+    def with_plan(fn, plan):
+        """`fn` taking the step's plan (replicated) as its last positional argument."""
+        if plan is None:
+            return fn, ()
 
-    def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, **kw):
-        f = per_shard(ops.paged_attention, (heads, cache, cache, rep, rep), heads, **kw)
-        return f(q, k_cache, v_cache, block_tables, seq_lens)
+        def call(*args, **kw):
+            *args, plan_arg = args
+            return fn(*args, plan=plan_arg, **kw)
+
+        return call, (plan,)
+
+    def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, qsl, plan=None, **kw):
+        fn, extra = with_plan(ops.ragged_paged_attention, plan)
+        specs = (heads, cache, cache, rep, rep, rep) + (rep,) * len(extra)
+        f = per_shard(fn, specs, heads, **kw)
+        return f(q, k_cache, v_cache, block_tables, seq_lens, qsl, *extra)
+
+    def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, plan=None, **kw):
+        fn, extra = with_plan(ops.paged_attention, plan)
+        specs = (heads, cache, cache, rep, rep) + (rep,) * len(extra)
+        f = per_shard(fn, specs, heads, **kw)
+        return f(q, k_cache, v_cache, block_tables, seq_lens, *extra)
 
     def copy_blocks(k_cache, v_cache, src_block_ids, dst_block_ids, **kw):
         f = per_shard(ops.copy_blocks, (cache, cache, rep, rep), (cache, cache), **kw)
@@ -138,6 +153,7 @@ def sharded_attention_ops(ops: pallas_kernels.AttentionOps, mesh: Mesh) -> Any:
         ragged_paged_attention=ragged_paged_attention,
         paged_attention=paged_attention,
         copy_blocks=copy_blocks,
+        takes_plan=ops.takes_plan,
     )
 
 
