@@ -350,6 +350,7 @@ ROW_KEYS = (
     "loop_commit_groups",
     "loop_ld_global",
     "loop_ld_global_vector",
+    "loop_ld_global_prefetched",
     "kv_buffers_in_flight",
     "tp",
     "collectives",
@@ -471,6 +472,7 @@ BUFFERING_KEYS = (
     "loop_commit_groups",
     "loop_ld_global",
     "loop_ld_global_vector",
+    "loop_ld_global_prefetched",
     "kv_buffers_in_flight",
 )
 
@@ -501,6 +503,68 @@ def _outstanding(lines: list[str], start: int) -> tuple[int, list[int]]:
     return pending, at_consume
 
 
+_REGISTER = re.compile(r"%[A-Za-z_]\w*")
+# Instructions whose first operand is read, not written.
+_NO_DEST = ("st.", "bar", "bra", "cp.", "ret", "red.", "fence", "wgmma.fence", "wgmma.commit",
+            "wgmma.wait", "mbarrier.arrive", "membar", "prefetch")  # fmt: skip
+# Where a value becomes data (math, type conversions to or from floats, smem stores).
+_DATA = re.compile(
+    r"^(?:st\.|mma|wgmma|fma|ex2|cvt\.\S*(?:f16|f32|bf16|e4m3|e5m2)|\S*\.f(?:16|32))"
+)
+
+
+def _operands(ins: str) -> tuple[str, set[str], set[str]]:
+    """(opcode, registers written, registers read as values: not inside [addresses])."""
+    op, _, rest = ins.partition(" ")
+    rest = rest.strip().rstrip(";")
+    if op.startswith(_NO_DEST):
+        dest, src = "", rest
+    else:
+        depth, cut = 0, len(rest)
+        for i, ch in enumerate(rest):
+            if ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+            elif ch == "," and depth == 0:
+                cut = i
+                break
+        dest, src = rest[:cut], rest[cut + 1 :]
+    values = re.sub(r"\[[^\]]*\]", "", src)
+    return op, set(_REGISTER.findall(dest)), set(_REGISTER.findall(values))
+
+
+def _feeds_data(ops: list, regs: set[str]) -> bool:
+    """Whether values in `regs` reach math or a store along `ops` (in that order).
+
+    Values flow through every instruction except compares (a mask built from a page id
+    does not make the page id data) and load addresses (not value operands)."""
+    live = set(regs)
+    for op, dest, values in ops:
+        if live & values:
+            if _DATA.match(op):
+                return True
+            if not op.startswith("setp"):
+                live |= dest
+    return False
+
+
+def _prefetched_loads(body: list[str]) -> tuple[int, int]:
+    """(data loads in the body, those whose values are first used by a later iteration:
+    loaded into registers one tile ahead)."""
+    ops = [_operands(ins) for ins in body]
+    data = prefetched = 0
+    for i, (op, dest, _) in enumerate(ops):
+        if not op.startswith("ld.global"):
+            continue
+        after, wrapped = ops[i + 1 :], ops[i + 1 :] + ops[: i + 1]
+        if not _feeds_data(wrapped, dest):
+            continue  # page ids, lengths: addresses and masks only
+        data += 1
+        prefetched += not _feeds_data(after, dest)
+    return data, prefetched
+
+
 def ptx_buffering(ptx: str) -> dict:
     """How a kernel's tiles reach shared memory, from its PTX.
 
@@ -508,11 +572,14 @@ def ptx_buffering(ptx: str) -> dict:
     shared-memory reads. Walking the prologue and then the body twice (the second pass is
     the steady state) counts the cp.async groups still in flight wherever the body consumes
     a tile; each iteration commits ``loop_commit_groups`` groups, so that many groups are
-    one tile. ``kv_buffers_in_flight`` = 1 + tiles still loading while one is consumed:
-    1 = single-buffered (every load completes before compute), 2 = double-buffered, ...;
-    1 also for a loop with no async copies (its loads are synchronous), None without a
-    loop. TMA (``cp.async.bulk``) copies are counted; they complete on mbarriers, which
-    this count does not follow.
+    one tile. A global load whose value feeds data (math or a store, not only addresses
+    and masks) but is first used by the next iteration is a tile prefetched into
+    registers (``loop_ld_global_prefetched``): one more tile in flight.
+    ``kv_buffers_in_flight`` = 1 + tiles still loading while one is consumed: 1 =
+    single-buffered (every load completes before compute), 2 = double-buffered, ...;
+    1 for a loop whose loads are synchronous and used at once, None without a loop.
+    TMA (``cp.async.bulk``) copies are counted; they complete on mbarriers, which this
+    count does not follow.
 
     Args:
         ptx: One kernel's PTX text.
@@ -541,6 +608,7 @@ def ptx_buffering(ptx: str) -> dict:
         loop_commit_groups=0,
         loop_ld_global=0,
         loop_ld_global_vector=0,
+        loop_ld_global_prefetched=0,
     )
     if not loops:
         return out
@@ -552,11 +620,14 @@ def ptx_buffering(ptx: str) -> dict:
     pending, _ = _outstanding(body, pending)
     _, at_consume = _outstanding(body, pending)
     in_flight = max(at_consume, default=0)
+    async_tiles = -(-in_flight // commits) if commits else 0
+    _, prefetched = _prefetched_loads(body)
     out.update(
         loop_commit_groups=commits,
         loop_ld_global=len(loads),
         loop_ld_global_vector=sum(1 for ins in loads if re.search(r"\.v[248]\.", ins)),
-        kv_buffers_in_flight=1 + (-(-in_flight // commits) if commits else 0),
+        loop_ld_global_prefetched=prefetched,
+        kv_buffers_in_flight=1 + max(async_tiles, 1 if prefetched else 0),
     )
     return out
 

@@ -238,7 +238,8 @@ def test_buffering_single_buffered_loop():
     b = gcc.ptx_buffering(_ptx(kv, "\tcp.async.wait_group \t0;\n\tbar.sync \t0;\n"
                                     + _READ + _MMA + kv))  # fmt: skip
     assert b == dict(cp_async=4, cp_async_bulk=0, max_wait_group=0, loop_commit_groups=2,
-                     loop_ld_global=0, loop_ld_global_vector=0, kv_buffers_in_flight=1)  # fmt: skip
+                     loop_ld_global=0, loop_ld_global_vector=0, loop_ld_global_prefetched=0,
+                     kv_buffers_in_flight=1)  # fmt: skip
 
 
 def test_buffering_double_and_triple_buffered_loops():
@@ -318,3 +319,30 @@ def test_compare_table_of_before_and_after(tmp_path):
     )
     assert "| fail → pass |" in lines[3] and "- → 248" in lines[3]
     assert gcc.main(["--compare", str(paths[0]), str(paths[1])]) == 0
+
+
+def test_buffering_of_tiles_prefetched_into_registers():
+    # Tile i+1 is loaded into registers while tile i computes; its values are only used
+    # (stored to shared memory) in the next iteration, reached through the loop's movs.
+    load = "\tld.global.v4.b32 { %r11, %r12, %r13, %r14 }, [ %rd5 + 0 ];\n"
+    body = (
+        "\tst.shared.v4.b32 [%r9], {%r1, %r2, %r3, %r4};\n\tbar.sync \t0;\n"
+        + load + _READ + _MMA
+        + "".join(f"\tmov.b32 \t%r{i}, %r{i + 10};\n" for i in (1, 2, 3, 4))
+    )  # fmt: skip
+    first = "\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd4 + 0 ];\n"  # tile 0
+    b = gcc.ptx_buffering(_ptx(first, body))
+    assert (b["loop_ld_global_vector"], b["loop_ld_global_prefetched"]) == (1, 1)
+    assert b["kv_buffers_in_flight"] == 2
+    # A page id loaded one tile ahead feeds only addresses (and a mask): not a K/V buffer.
+    page = "\tld.global.b32 { %r20 }, [ %rd6 + 0 ];\n"
+    body = (
+        "\tmul.wide.s32 \t%rd7, %r21, 512;\n\tadd.s64 \t%rd8, %rd1, %rd7;\n"
+        "\tsetp.eq.s32 \t%p3, %r21, 0;\n\tselp.f32 \t%f2, 0fFF800000, %f1, %p3;\n"
+        "\tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd8 + 0 ];\n"
+        "\tst.shared.v4.b32 [%r9], {%r1, %r2, %r3, %r4};\n\tbar.sync \t0;\n"
+        + _READ + _MMA + page + "\tmov.b32 \t%r21, %r20;\n"
+    )  # fmt: skip
+    b = gcc.ptx_buffering(_ptx(page, body))
+    assert (b["loop_ld_global"], b["loop_ld_global_prefetched"]) == (2, 0)
+    assert b["kv_buffers_in_flight"] == 1
