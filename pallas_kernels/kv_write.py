@@ -50,7 +50,7 @@ def _write_kv_kernel(
     row_ok = rows < num_tokens if num_tokens % block_t else None  # the last tile's tail
     if row_ok is not None:
         rows = jnp.minimum(rows, num_tokens - 1)  # an in-range address; masked below
-    slot = plgpu.load(slot_ref.at[rows], mask=row_ok, other=-1)
+    slot = _load(slot_ref.at[rows], row_ok, -1)
     # Bounds always on: a slot outside the pool (-1 padding, or any bad id) is dropped,
     # never followed; one extra compare per token.
     keep = (slot >= 0) & (slot < num_blocks * block_size)
@@ -64,8 +64,8 @@ def _write_kv_kernel(
     load_mask = lane_ok
     if row_ok is not None:
         load_mask = _and(jnp.broadcast_to(row_ok[:, None], shape), lane_ok)
-    k = plgpu.load(k_ref.at[src], mask=load_mask, other=0)
-    v = plgpu.load(v_ref.at[src], mask=load_mask, other=0)
+    k = _load(k_ref.at[src], load_mask, 0)
+    v = _load(v_ref.at[src], load_mask, 0)
     block = jnp.broadcast_to((slot // block_size)[:, None], shape)
     offset = jnp.broadcast_to((slot % block_size)[:, None], shape)
     mask = _and(jnp.broadcast_to(keep[:, None], shape), lane_ok)
@@ -74,6 +74,10 @@ def _write_kv_kernel(
     v = quantize(v, scales_ref[1], v_cache_ref.dtype)
     plgpu.store(k_cache_ref.at[dst], k, mask=mask)
     plgpu.store(v_cache_ref.at[dst], v, mask=mask)
+
+
+def _load(ref, mask, other):  # mask None: a plain load (Triton takes no `other` then)
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=other)
 
 
 def _and(a, b):  # None = all true (a mask that is not needed costs no op)

@@ -2,13 +2,16 @@
 
 The step is one jitted function whose arguments follow the data flow: device state
 (weights, kv_caches, kv_scales, row_tokens), then the StepInput's parts (token_ids,
-positions, attention, sampling, feed, copies). It runs the copies, the model's paged
-forward (write_kv, then paged attention, per layer: the decode kernel on decode-only
-steps, else ragged) and the sampler. The KV caches are donated so XLA updates them in
+positions, attention, sampling, feed). It runs the model's paged forward (write_kv,
+then paged attention, per layer: the decode kernel on decode-only steps, else ragged)
+and the sampler. A step's copy-on-write copies (StepInput.copies) are a second jitted
+call, dispatched before the step only when it has a real copy, so the many steps with
+none launch no copy kernel. The KV caches are donated to both so XLA updates them in
 place. Every input has a bucketed shape, so `warmup()` compiles every
-bucket (and every decode-only bucket) once and serving never compiles again; a global
-listener on jax's compile events keeps an honest count. With `EngineConfig.validate`
-the step is checkified: a bad block id or slot raises instead of corrupting the cache.
+bucket (and every decode-only bucket, and the copy) once and serving never compiles
+again; a global listener on jax's compile events keeps an honest count. With
+`EngineConfig.validate` both are checkified: a bad block id, slot or copy pair raises
+instead of corrupting the cache.
 Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite).
 """
 
@@ -33,7 +36,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.constants import NONFINITE_TOKEN_ID
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
-from paged_jax.worker.input_batch import decode_step_shapes
+from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
@@ -151,12 +154,15 @@ def cap_kv_blocks(num_blocks: int, kv_arrays: Sequence[tuple[int, int]]) -> int:
     return capped
 
 
-# ---------------------------------------------------------------- inside the jitted step
+# ---------------------------------------------------------------- the jitted calls
 # Copy-on-write runs first: ``cache[dst] = cache[src]`` for every layer's K and V. The
 # host schedules the copies (KVCacheManager.take_pending_copies) and the StepInput
-# carries them as a fixed-width StepCopies padded with dst = -1, so the step keeps one
-# shape. Destinations are distinct and never a source (the block manager's holds), so
-# the copies may run in any order.
+# carries them as a fixed-width StepCopies padded with dst = -1, so the copy keeps one
+# shape (one compile). It is its own jitted call, dispatched only for a step with a real
+# copy: it consumes the donated caches and returns them, so the step that follows reads
+# the copied blocks by data dependency, however far ahead async scheduling dispatches.
+# Destinations are distinct and never a source (the block manager's holds), so the
+# copies may run in any order.
 #
 # Token feed: sampled ids stay on device and become the next step's input tokens.
 # Async scheduling packs step N+1 before step N's samples reach the host, so a
@@ -328,11 +334,8 @@ class Runner:
             attention: AttentionMetadata,
             sampling: SamplingMetadata,
             feed: TokenFeed,
-            copies: StepCopies,
         ) -> tuple[SamplerOutput, list, jax.Array]:
             m = merge(weights)
-            # Copy-on-write copies run before this step writes any KV.
-            kv_caches = copy_kv_blocks(kv_caches, copies, attention_backend=backend)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             extra = {} if kv_scales is None else {"kv_scales": kv_scales}
             logits, kv_caches = m.forward_paged(
@@ -358,6 +361,24 @@ class Runner:
             self.row_tokens = jax.device_put(self.row_tokens, rep)
         # The jitted step; step_args(step) are its arguments for one StepInput.
         self.jitted_step = jax.jit(step_fn, donate_argnums=(1, 3), **tp_out)
+        # The copy-on-write copies of a step (run_copies): bound with validate like the
+        # model's ops (a per-shard AttentionOps under tensor parallelism is used as is).
+        copy_ops = (
+            backend
+            if self.tp is not None
+            else pallas_kernels.get_attention_ops(backend, validate=config.validate)
+        )
+
+        def copy_fn(kv_caches: list, copies: StepCopies) -> list:  # kv_caches donated
+            return copy_kv_blocks(kv_caches, copies, attention_backend=copy_ops)
+
+        if config.validate:
+            copy_fn = checkify.checkify(copy_fn)
+        copy_out = {}
+        if self.tp is not None:  # the caches keep their sharding, as through the step
+            kv = self.tp.kv_sharding
+            copy_out = dict(out_shardings=(self.tp.replicated, kv) if config.validate else kv)
+        self.jitted_copy = jax.jit(copy_fn, donate_argnums=(0,), **copy_out)
         self.num_decode_only_steps = 0  # real steps that took the decode kernel path
         width = config.max_blocks_per_seq
         self._swap_width = width
@@ -401,7 +422,6 @@ class Runner:
             step.attention,
             self._with_penalty_inputs(step.sampling, step.attention.seq_lens),
             step.feed,
-            step.copies,
         )
 
     def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
@@ -410,7 +430,9 @@ class Runner:
         The sampled ids also land in ``row_tokens`` (device), where the next step's
         placeholder tokens read them; the host copy starts now and is read by
         ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
+        The step's block copies, if it has any, are dispatched first (run_copies).
         """
+        self.run_copies(step.copies)
         result = self.jitted_step(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
         out, self.kv_caches, self.row_tokens = result
@@ -418,6 +440,19 @@ class Runner:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
         self.num_decode_only_steps += step.attention.decode_only and step.num_seqs > 0
         return PendingStep(out, step.num_seqs, with_logprobs)
+
+    def run_copies(self, copies: StepCopies, *, always: bool = False) -> None:
+        """Dispatches the copy-on-write copies into the donated caches, without waiting.
+
+        Skipped when every entry is padding (dst -1) unless ``always`` (warm-up), so a
+        step without copies launches no copy kernel.
+        """
+        if not always and not np.any(np.asarray(copies.dst) != PAD_SLOT_ID):
+            return
+        result = self.jitted_copy(self.kv_caches, copies)
+        err, self.kv_caches = result if self.config.validate else (None, result)
+        if err is not None:
+            err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad pair
 
     def replace_lost_device_state(self) -> bool:
         """After a failed step: zeroed KV caches and row tokens wherever the old are gone.
@@ -484,7 +519,8 @@ class Runner:
 
     def warmup(self, steps: list[StepInput], on_step: Any = None) -> None:
         """Compiles the step for every bucket (all-padding inputs change no KV), the
-        decode-only variant of every bucket a decode-only step can land in, and the swaps.
+        decode-only variant of every bucket a decode-only step can land in, the block
+        copy and the swaps.
 
         on_step: optional callable(i, num_steps, (num_tokens, num_seqs)) called before each.
         """
@@ -499,6 +535,8 @@ class Runner:
             for variant in variants:
                 result = self.execute(variant)
                 assert result.token_ids.shape == (0,), "a padding-only step produced samples"
+        if steps:  # all padding (dst -1): copies nothing, compiles the one copy shape
+            self.run_copies(steps[0].copies, always=True)
         if self.config.preemption_mode == "swap":
             ids = np.zeros(self._swap_width, np.int32)
             # Host copies, as swap_in passes them: the same input shardings, no recompile.

@@ -5,7 +5,8 @@
       attention: AttentionMetadata         the model's layers
       sampling:  SamplingMetadata          the sampler (sampling.py)
       feed:      TokenFeed                 the async token feed (runner.py)
-      copies:    StepCopies                copy-on-write, first in the step (runner.py)
+      copies:    StepCopies                copy-on-write, its own call before the step
+                                           (runner.py; skipped when all padding)
 
 Every group is a pytree (NamedTuples of arrays; AttentionMetadata is registered by
 paged_jax.models.attention), so the runner passes them to the jitted step as they are.

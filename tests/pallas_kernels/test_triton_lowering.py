@@ -176,11 +176,21 @@ def test_engine_step_lowers_for_cuda_with_kernel_calls_per_layer(pallas_runner, 
     runner, batch = pallas_runner
     text = _lower_step(runner, batch.dummy_step_input(16, 8, decode_only=decode_only))
     attention = "paged_decode_attention" if decode_only else "ragged_paged_attention"
-    # Per layer: one copy-on-write block copy (padded, before the writes), one KV write
-    # and one attention kernel; decode-only steps take the decode kernel (all q heads
-    # of a KV head in one tile) and never the ragged one.
+    # Per layer: one KV write and one attention kernel; decode-only steps take the
+    # decode kernel (all q heads of a KV head in one tile) and never the ragged one.
+    # No block copy: copy-on-write is its own call, dispatched only with a real copy.
     expected = {name: 0 for name in KERNEL_NAMES}
-    expected.update(
-        {"paged_copy_blocks": NUM_LAYERS, "paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS}
-    )
+    expected.update({"paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS})
     assert kernel_calls(text) == expected
+
+
+def test_the_step_copy_lowers_to_one_block_copy_per_layer(pallas_runner):
+    runner, batch = pallas_runner
+    copies = batch.dummy_step_input(16, 8).copies
+
+    def spec(x):
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+    args = jax.tree.map(spec, (runner.kv_caches, copies))
+    text = lower_for_cuda(runner.jitted_copy, *args)
+    assert kernel_calls(text) == _only("paged_copy_blocks", NUM_LAYERS)
