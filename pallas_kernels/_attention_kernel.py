@@ -132,8 +132,12 @@ def _kernel(
 
     tile = (block_k, tile_d)
     lanes = jax.lax.broadcasted_iota(jnp.int32, tile, 1)
+    # Lanes past a head_dim that is not a power of two are masked (their addresses run
+    # into the next row, never fetched; the interpreter's gather clamps them). No min()
+    # on the iota: Triton then still sees each row as contiguous runs and copies it with
+    # wide cp.async transfers into shared memory.
+    masked_lanes = tile_d != head_dim
     lane_ok = lanes < head_dim
-    lanes = jnp.minimum(lanes, head_dim - 1)  # gathered K/V lanes stay inside the row
 
     def load_pages(cb):  # -> i32[block_k] page of each token of compute block cb
         tok = cb * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
@@ -146,7 +150,9 @@ def _kernel(
         tok = cb * block_k + jax.lax.broadcasted_iota(jnp.int32, (block_k,), 0)
         page_ok = (pages >= 0) & (pages < num_blocks)
         key_ok = (tok >= k_lo) & (tok < k_hi) & page_ok
-        kv_mask = key_ok[:, None] & lane_ok
+        kv_mask = (
+            key_ok[:, None] & lane_ok if masked_lanes else jnp.broadcast_to(key_ok[:, None], tile)
+        )
         # Masked loads: keys outside the range read as 0 and are never fetched, so a
         # garbage id past seq_len (or out of the pool) is never followed and NaN in unused
         # slots stays out (p = 0 times a NaN V would still be NaN; a loaded 0 is not).

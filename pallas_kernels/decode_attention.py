@@ -47,7 +47,7 @@ def decode_defaults(
     A tuned entry for this GPU (pallas_kernels/tuning.py) wins. Otherwise: block_k 64
     (32 at head_dim >= 256, and for f32), and as many pipeline stages (2-4) as keep
     stages x (K + V tile) under ~110 KB, so two programs share an SM while num_stages - 1
-    tiles are in flight; warps by ``default_num_warps``. Reasoned for the H200 from
+    tiles are in flight; warps by ``default_num_warps`` (8 for f32). Reasoned for the H200 from
     deviceless compiles (scripts/gpu_compile_check.py), not yet measured.
     """
     tuned = tuned_config(
@@ -64,11 +64,9 @@ def decode_defaults(
     stage_bytes = 2 * block_k * tile_d * itemsize
     num_stages = max(2, min(4, _SMEM_PER_PROGRAM // stage_bytes))
     heads = q_heads_per_tile(group, 1)
-    config = dict(
-        block_k=block_k,
-        num_stages=num_stages,
-        num_warps=default_num_warps(heads, block_k, tile_d),
-    )
+    # f32 tiles: 8 warps, or the scores and accumulator spill past 255 registers.
+    num_warps = 8 if itemsize >= 4 else default_num_warps(heads, block_k, tile_d)
+    config = dict(block_k=block_k, num_stages=num_stages, num_warps=num_warps)
     if tuned:
         config.update({k: tuned[k] for k in config if k in tuned})
     return config
@@ -221,8 +219,7 @@ def paged_attention(
     check_tiling(head_dim, block_k=block_k)
     block_k = max(block_k, 16)
     if num_warps is None:
-        heads = q_heads_per_tile(num_q_heads // num_kv_heads, 1)
-        num_warps = default_num_warps(heads, block_k, 1 << (head_dim - 1).bit_length())
+        num_warps = defaults["num_warps"]
     work_list = num_splits is None
     if plan is not None:
         items = plan.decode_items

@@ -21,6 +21,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import plan as plans
@@ -57,8 +58,12 @@ def query_blocks(
 def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[str, int]:
     """block_q, block_k, num_stages (and num_warps if tuned) of the ragged kernel.
 
-    A tuned entry for this GPU (pallas_kernels/tuning.py) wins; else block_q 16,
-    block_k 64, 2 stages (warps from ``default_num_warps`` at the call).
+    A tuned entry for this GPU (pallas_kernels/tuning.py) wins. Otherwise block_k 32 with
+    3 stages (two K/V tiles in flight; f32: 16 and 2), and block_q 16 lowered until the
+    q tile (block_q x next_pow2(group) rows x head_dim) holds at most 8,192 elements
+    (2,048 for f32), where the deviceless H200 compiles stay under 255 registers without
+    spilling at the warps ``default_num_warps`` gives (fp8 at head_dim 256: block_k 16,
+    8 warps) (scripts/gpu_compile_check.py).
     """
     tuned = tuned_config(
         "ragged_paged_attention",
@@ -68,11 +73,20 @@ def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[s
         group=group,
         block_size=block_size,
     )
-    config = dict(block_q=16, block_k=64, num_stages=2)
+    wide = jnp.dtype(dtype).itemsize >= 4
+    tile_d = pl.next_power_of_2(head_dim)
+    cap = (2_048 if wide else 8_192) // (pl.next_power_of_2(group) * tile_d)
+    block_q = 16
+    while block_q > 1 and block_q > cap:
+        block_q //= 2
+    config = dict(block_q=block_q, block_k=16 if wide else 32, num_stages=2 if wide else 3)
+    if jnp.dtype(dtype).itemsize == 1 and tile_d >= 256:
+        # fp8 tiles are widened to q's dtype in registers: at head_dim 256 that spills
+        # unless the K/V tile is small and spread over 8 warps.
+        config.update(block_k=16, num_warps=8)
     if tuned:
-        config.update(
-            {k: tuned[k] for k in ("block_q", "block_k", "num_stages", "num_warps") if k in tuned}
-        )
+        keys = ("block_q", "block_k", "num_stages", "num_warps")
+        config.update({k: tuned[k] for k in keys if k in tuned})
     return config
 
 
