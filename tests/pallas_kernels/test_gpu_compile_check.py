@@ -190,7 +190,8 @@ def test_tiny_cases_compile_for_an_h200(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"] if r["status"] == "ok"}
     decode = rows["decode-bf16-d64-g1-bs32-b64x8k"]
-    assert decode["grid"] == [64, 8, 1] and decode["warps"] == 4
+    # a work list of key chunks: at least one program per sequence, one row per KV head
+    assert decode["grid"][0] >= 64 and decode["grid"][1:] == [8, 1] and decode["warps"] == 4
     assert 0 < decode["smem_bytes"] <= gcc.SMEM_LIMIT_BYTES
     assert decode["regs_nvjitlink"] > 0 and decode["regs_ptxas"] > 0
     assert rows["copy_blocks-bf16-d128-g4-bs16-n64"]["smem_bytes"] == 0
