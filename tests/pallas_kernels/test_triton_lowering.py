@@ -175,12 +175,14 @@ def _lower_step(runner: Runner, step) -> str:
 def test_engine_step_lowers_for_cuda_with_kernel_calls_per_layer(pallas_runner, decode_only):
     runner, batch = pallas_runner
     text = _lower_step(runner, batch.dummy_step_input(16, 8, decode_only=decode_only))
-    attention = "paged_decode_attention" if decode_only else "ragged_paged_attention"
-    # Per layer: one KV write and one attention kernel; decode-only steps take the
-    # decode kernel (all q heads of a KV head in one tile) and never the ragged one.
+    # Per layer: one KV write and the decode kernel (all q heads of a KV head in one tile);
+    # a mixed step adds the ragged kernel for its prefill chunks, while its decode tokens
+    # still take the decode kernel (not a block_q-token query block each).
     # No block copy: copy-on-write is its own call, dispatched only with a real copy.
     expected = {name: 0 for name in KERNEL_NAMES}
-    expected.update({"paged_write_kv": NUM_LAYERS, attention: NUM_LAYERS})
+    expected.update({"paged_write_kv": NUM_LAYERS, "paged_decode_attention": NUM_LAYERS})
+    if not decode_only:
+        expected["ragged_paged_attention"] = NUM_LAYERS
     assert kernel_calls(text) == expected
 
 
