@@ -59,7 +59,7 @@ def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[s
     """block_q, block_k, num_stages (and num_warps if tuned) of the ragged kernel.
 
     A tuned entry for this GPU (pallas_kernels/tuning.py) wins. Otherwise block_k 32 with
-    3 stages (two K/V tiles in flight; f32: 16 and 2), and block_q 16 lowered until the
+    3 stages (two K/V tiles in flight; f32: block_k 16), and block_q 16 lowered until the
     q tile (block_q x next_pow2(group) rows x head_dim) holds at most 8,192 elements
     (2,048 for f32), where the deviceless H200 compiles stay under 255 registers without
     spilling at the warps ``default_num_warps`` gives (fp8 at head_dim 256: block_k 16,
@@ -79,7 +79,7 @@ def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[s
     block_q = 16
     while block_q > 1 and block_q > cap:
         block_q //= 2
-    config = dict(block_q=block_q, block_k=16 if wide else 32, num_stages=2 if wide else 3)
+    config = dict(block_q=block_q, block_k=16 if wide else 32, num_stages=3)
     if jnp.dtype(dtype).itemsize == 1 and tile_d >= 256:
         # fp8 tiles are widened to q's dtype in registers: at head_dim 256 that spills
         # unless the K/V tile is small and spread over 8 warps.
