@@ -39,13 +39,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.names import DECODE_TARGET_PROGRAMS as TARGET_PROGRAMS
+from pallas_kernels.names import MIN_CHUNK_TOKENS as MIN_CHUNK_TOKENS
+
 ITEM_SEQ, ITEM_ROW, ITEM_LO, ITEM_HI = range(4)
 NO_KEY_LIMIT = 2**30  # ITEM_HI of an item that takes its whole causal key range
-# Programs a decode call aims for: 2 per SM of a 132-SM H200/H100.
-TARGET_PROGRAMS = 264
-# Smallest key chunk of a decode item: below this, writing a partial output and merging
-# it costs more than the parallelism it buys.
-MIN_CHUNK_TOKENS = 512
 
 _STATIC = {"static": True}
 

@@ -6,14 +6,18 @@ measured time reads as ``roofline_seconds / measured_seconds``: 1.0 is the HBM l
 
 Counted: each operand's bytes read and written once (K/V of every visible key, q, the
 output, block-table and length entries). Not counted: split-K partials and their
-combine, padding rows, re-reads a kernel may do. Plain Python: no jax, so the benchmark,
-the compile check and host code can all use it.
+combine, padding rows, re-reads a kernel may do. ``predicted_decode_fraction`` adds
+what the decode kernel's design costs on top (partials, load balance of its work list)
+and predicts the fraction of peak a GPU run should read. Plain Python: no jax, so the
+benchmark, the compile check and host code can all use it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pallas_kernels.names import DECODE_TARGET_PROGRAMS, MIN_CHUNK_TOKENS
 
 H200_BYTES_PER_S = 4.8e12  # HBM3e peak, 4.8 TB/s
 INT32_BYTES = 4
@@ -124,3 +128,85 @@ def copy_blocks_traffic(
     """Block copy: read and write whole K and V blocks (all heads), plus the id pairs."""
     block = num_kv_heads * block_size * head_dim * itemsize
     return Traffic(2 * 2 * num_copies * block, 2 * num_copies * INT32_BYTES)
+
+
+def decode_chunks(
+    contexts: Sequence[int],
+    *,
+    num_kv_heads: int,
+    block_k: int,
+    sliding_window: int | None = None,
+) -> list[int]:
+    """Keys of each program's chunk in the decode kernel's work list (plan.decode_items,
+    in plain Python): equal chunks cut from the real total, about
+    DECODE_TARGET_PROGRAMS programs in all."""
+    blocks = []
+    for c in contexts:
+        lo = 0 if sliding_window is None else max(c - sliding_window, 0)
+        blocks.append(max(_cdiv(c, block_k) - lo // block_k, 0))
+    spare = max(_cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads), 1)
+    chunk = max(max(1, MIN_CHUNK_TOKENS // block_k), _cdiv(sum(blocks), spare))
+    return [
+        min(chunk, n - i) * block_k for n in blocks for i in range(0, n, chunk)
+    ]  # each sequence's chunks, the last one partial
+
+
+def predicted_decode_fraction(
+    contexts: Sequence[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    cache_itemsize: int,
+    q_itemsize: int,
+    block_k: int = 64,
+    sliding_window: int | None = None,
+    num_sms: int = 132,
+    programs_per_sm: int = 2,
+    dram_efficiency: float = 0.92,
+) -> dict:
+    """What the decode kernel's design predicts as a fraction of peak bandwidth.
+
+    A model, not a measurement: (1) bytes: the roofline's, plus the work list's partial
+    outputs and log-sum-exps written and read back by the merge; (2) balance: the
+    programs (chunks x KV heads, longest first) run on num_sms x programs_per_sm slots
+    that share the bandwidth equally, so the call lasts as long as the busiest slot; (3)
+    dram_efficiency: the share of peak HBM bandwidth streaming reads reach on Hopper at
+    best (an assumption, about 0.9). fraction = roofline time / modelled time.
+    """
+    base = decode_traffic(
+        contexts,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        cache_itemsize=cache_itemsize,
+        q_itemsize=q_itemsize,
+        sliding_window=sliding_window,
+    )
+    chunks = decode_chunks(
+        contexts, num_kv_heads=num_kv_heads, block_k=block_k, sliding_window=sliding_window
+    )
+    group = num_q_heads // num_kv_heads
+    items = len(contexts) + _cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads)  # static list
+    partial_bytes = 2 * items * num_kv_heads * group * (head_dim + 1) * 4  # write + read
+    # Busiest slot under longest-first greedy placement, in bytes of K/V.
+    per_key = 2 * head_dim * cache_itemsize
+    slots = [0] * (num_sms * programs_per_sm)
+    for keys in sorted((k for k in chunks for _ in range(num_kv_heads)), reverse=True):
+        i = min(range(len(slots)), key=slots.__getitem__)
+        slots[i] += keys * per_key
+    busiest = max(slots) if chunks else 0
+    mean = sum(slots) / len(slots)
+    balance = mean / busiest if busiest else 1.0
+    total = base.total_bytes + partial_bytes
+    modelled_s = total / (H200_BYTES_PER_S * dram_efficiency * balance)
+    return dict(
+        roofline_us=base.seconds() * 1e6,
+        modelled_us=modelled_s * 1e6,
+        fraction=base.seconds() / modelled_s,
+        balance=balance,
+        partial_bytes=partial_bytes,
+        num_chunks=len(chunks),
+    )

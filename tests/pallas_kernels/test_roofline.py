@@ -56,3 +56,45 @@ def test_module_is_jax_free():
     code = "import sys, pallas_kernels.roofline; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.parametrize(
+    "contexts,kv_heads,window",
+    [([300, 9000, 500, 0, 1], 8, None), ([8192] * 64, 8, None), ([5000, 40, 7000], 4, 1024)],
+)
+def test_roofline_chunks_are_the_kernels_work_list(contexts, kv_heads, window):
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels import plan
+
+    items = np.asarray(
+        plan.decode_items(
+            jnp.asarray(contexts, jnp.int32),
+            jnp.arange(len(contexts) + 1, dtype=jnp.int32),
+            block_k=64,
+            num_items=plan.num_decode_items(len(contexts), kv_heads),
+            sliding_window=window,
+        )
+    )
+    used = items[items[:, plan.ITEM_SEQ] < len(contexts)]
+    from_kernel = sorted((used[:, plan.ITEM_HI] - used[:, plan.ITEM_LO]).tolist())
+    modelled = sorted(
+        roofline.decode_chunks(contexts, num_kv_heads=kv_heads, block_k=64, sliding_window=window)
+    )
+    assert from_kernel == modelled
+
+
+def test_predicted_fraction_falls_when_one_program_would_run_alone():
+    kw = dict(
+        num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, cache_itemsize=2,
+        q_itemsize=2,
+    )  # fmt: skip
+    big = roofline.predicted_decode_fraction([8192] * 256, **kw)
+    assert 0.8 < big["fraction"] <= 0.92 and big["balance"] > 0.95
+    # Batch 1 x 8k: 16 chunks x 8 heads = 128 programs for 264 slots.
+    one = roofline.predicted_decode_fraction([8192], **kw)
+    assert one["num_chunks"] == 16 and one["balance"] < 0.5
+    # A 32k sequence among 1k ones is chunked, so balance stays high.
+    mixed = roofline.predicted_decode_fraction([1024] * 255 + [32768], **kw)
+    assert mixed["balance"] > 0.9
