@@ -12,7 +12,10 @@ block 16). Each cell times three implementations side by side in one process:
 
 Per implementation: median (min, max) microseconds per call, achieved bytes/s, and the
 fraction of 4.8 TB/s (``pallas_kernels.roofline``: every byte the call must move, at
-peak); per cell: the roofline time and our speedup over the other two. Every output is
+peak); per cell: the roofline time, the fraction the kernel's design predicts
+(``roofline.predicted_decode_fraction``) and our speedup over the other two. A second cell
+times a step's decode rows on its decode-only path, its mixed path and the ragged kernel
+alone, per token (target: the mixed path within 1.3x of decode-only). Every output is
 compared with the XLA reference (relative L2 error); the script exits 1 when one
 disagrees or our kernel fails. Timing: one jitted ``fori_loop`` of n dependent calls
 (n traced, sized so a loop runs ~30 ms; n = 1 also gives the output to compare), REPS
@@ -265,12 +268,23 @@ def run_gpu(args) -> int:
         }
         if theirs_cache is not None:
             fns["jax_pallas"] = lambda q, t=tables, s=lens: theirs(q * scale, *theirs_cache, t, s)
+        model = roofline.predicted_decode_fraction(
+            [context] * batch,
+            num_q_heads=NUM_Q_HEADS,
+            num_kv_heads=NUM_KV_HEADS,
+            head_dim=HEAD_DIM,
+            block_size=BLOCK_SIZE,
+            cache_itemsize=dtype.itemsize,
+            q_itemsize=dtype.itemsize,
+        )
         row = dict(
             batch=batch,
             context=context,
             kv_bytes=kv_bytes([context] * batch, dtype.itemsize),
             roofline_bytes=floor.total_bytes,
             roofline_us=floor.seconds(peak * 1e9) * 1e6,
+            predicted_fraction_of_peak=model["fraction"],
+            predicted_balance=model["balance"],
             impls={},
         )
         report.add(row)
@@ -314,10 +328,84 @@ def run_gpu(args) -> int:
                 row[f"speedup_vs_{other}"] = theirs_us / ours
         report.flush()
         del outputs
+        if (batch, context) == cells()[0] and time.monotonic() <= deadline:
+            # Second: the step's decode rows (the mixed-path target), before small cells.
+            failed |= mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak)
     print(
         f"wrote {report.path}{'; FAILED: an output disagrees or our kernel failed' if failed else ''}"
     )
     return 1 if failed else 0
+
+
+MIXED_CELL = (64, 2048)  # decode rows of a step, batch x context
+STEP_BACKEND = "pallas"  # the ops the mixed-path cell runs (tests: "pallas_interpret")
+
+
+def mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak) -> bool:
+    """Decode tokens of a step on its three paths, per token, side by side: the step's
+    decode-only path, the mixed path (step_attention with decode_only=False: the decode
+    kernel for the single-token rows plus a ragged launch with no query block), and the
+    ragged kernel alone (each decode token a block_q-token query block). Target: the
+    mixed path within 1.3x of decode-only per token. Returns True on a disagreement."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    batch, context = MIXED_CELL
+    tables, lens = make_tables(rng, [context] * batch, num_blocks)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (batch, NUM_Q_HEADS, HEAD_DIM), k_cache.dtype)
+    ops = pk.get_attention_ops(STEP_BACKEND)
+    scale = HEAD_DIM**-0.5
+
+    def step(decode_only):
+        return lambda x: pk.step_attention(
+            ops.for_step(), x, k_cache, v_cache, tables, lens, qsl, decode_only=decode_only,
+            scale=scale,
+        )  # fmt: skip
+
+    fns = {
+        "step_decode_only": step(True),
+        "step_mixed_path": step(False),
+        "ragged_kernel": lambda x: ops.ragged_paged_attention(
+            x, k_cache, v_cache, tables, lens, qsl, scale=scale
+        ),
+    }
+    row = dict(cell="decode rows of a step", batch=batch, context=context, impls={})
+    report.add(row)
+    outputs, failed = {}, False
+    n = loop_count(kv_bytes([context] * batch, k_cache.dtype.itemsize))
+    for impl, fn in fns.items():
+        res: dict = {}
+        row["impls"][impl] = res
+        try:
+            samples, outputs[impl] = time_in_loop(fn, q, n)
+            seconds = sorted(samples)[len(samples) // 2]
+            res.update(
+                us=seconds * 1e6,
+                us_min=min(samples) * 1e6,
+                us_max=max(samples) * 1e6,
+                us_per_token=seconds * 1e6 / batch,
+            )
+        except Exception as e:  # noqa: BLE001 - keep measuring the others
+            res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            failed = True
+        if impl in outputs and "step_decode_only" in outputs and impl != "step_decode_only":
+            res["rel_err_vs_decode_only"] = err = rel_err(
+                outputs[impl], outputs["step_decode_only"]
+            )
+            res["agrees"] = err <= MAX_REL_ERR
+            failed |= not res["agrees"]
+        report.flush()
+        print(f"step rows b={batch} ctx={context} {impl:18s} {res.get('us', res.get('error'))}")
+    base = row["impls"]["step_decode_only"].get("us")
+    for impl in ("step_mixed_path", "ragged_kernel"):
+        us = row["impls"][impl].get("us")
+        if base and us:
+            row[f"{impl}_per_token_vs_decode_only"] = us / base
+    report.flush()
+    return failed
 
 
 def shown(res: dict) -> str:
@@ -390,9 +478,12 @@ def print_plan(args) -> None:
         f"bench_kernels pool: {num_blocks} blocks, {num_blocks * block_bytes()} B per array "
         f"(< 4 GiB), {shared} blocks shared by the biggest cell"
     )
-    for batch, context in cells():
+    for i, (batch, context) in enumerate(cells()):
         for impl in IMPLS:
             print(f"  cell decode b={batch} ctx={context} {impl}")
+        if i == 0:
+            b, c = MIXED_CELL
+            print(f"  cell step rows b={b} ctx={c} (decode-only / mixed / ragged)")
     print(
         f"bench_kernels budget: {len(cells()) * len(IMPLS)} cells x ~{PLAN_COMPILE_S:.0f} s "
         f"compile + {REPS + 2} loops x {LOOP_SECONDS * 1e3:.0f} ms, + {PLAN_START_S:.0f} s start "

@@ -142,7 +142,14 @@ def tiny_gpu_path(monkeypatch, tmp_path, attend=None):
 
     bench_kernels = load_bench()
     for name, value in dict(
-        BATCHES=(2,), CONTEXTS=(40,), NUM_Q_HEADS=8, NUM_KV_HEADS=2, HEAD_DIM=32, REPS=1
+        BATCHES=(2,),
+        CONTEXTS=(40,),
+        NUM_Q_HEADS=8,
+        NUM_KV_HEADS=2,
+        HEAD_DIM=32,
+        REPS=1,
+        MIXED_CELL=(2, 40),
+        STEP_BACKEND="pallas_interpret",
     ).items():
         monkeypatch.setattr(bench_kernels, name, value)
     monkeypatch.setattr(bench_kernels, "LOOP_SECONDS", 0.0)
@@ -163,7 +170,15 @@ def tiny_gpu_path(monkeypatch, tmp_path, attend=None):
 def test_bench_gpu_path_compares_all_three_side_by_side(monkeypatch, tmp_path):
     rc, report = tiny_gpu_path(monkeypatch, tmp_path)
     assert rc == 0
-    (row,) = report["results"]
+    row, step_rows = report["results"]
+    # The step's decode rows on its three paths agree and are compared per token.
+    assert list(step_rows["impls"]) == ["step_decode_only", "step_mixed_path", "ragged_kernel"]
+    for impl in ("step_mixed_path", "ragged_kernel"):
+        assert step_rows["impls"][impl]["agrees"]
+        assert step_rows[f"{impl}_per_token_vs_decode_only"] == pytest.approx(
+            step_rows["impls"][impl]["us"] / step_rows["impls"]["step_decode_only"]["us"]
+        )
+    assert 0 < row["predicted_fraction_of_peak"] <= 1
     assert list(row["impls"]) == ["xla_gather", "pallas", "jax_pallas"]
     for impl in ("pallas", "jax_pallas"):
         res = row["impls"][impl]
