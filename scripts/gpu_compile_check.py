@@ -761,16 +761,27 @@ class Target:
         )
 
 
+def kernel_pool_blocks(case: Case) -> int:
+    """Blocks of a kernel case's K and V caches: the whole batch's pages (at least 64)
+    plus the null block, within POOL_BYTES of K + V, and capped as the engine caps its
+    pool where 32-bit Triton offsets would wrap (1-byte caches of 2-4 GiB, which the
+    kernels refuse)."""
+    from pallas_kernels.layout import max_offset_safe_blocks
+
+    block_elems = NUM_KV_HEADS * case.block_size * case.head_dim
+    itemsize = _np_dtype(case.dtype).itemsize
+    pages = -(-case.context // case.block_size)
+    blocks = min(max(case.batch * pages, 64), POOL_BYTES // (2 * block_elems * itemsize)) + 1
+    return max_offset_safe_blocks(block_elems, itemsize, blocks)
+
+
 def kernel_fn_and_args(case: Case, t: Target):
     """The jitted callable and ShapeDtypeStruct arguments of a kernel case."""
     import pallas_kernels as pk
 
     bs, d, kv = case.block_size, case.head_dim, NUM_KV_HEADS
     pages = -(-case.context // bs)
-    # A pool that holds the whole batch, within POOL_BYTES of K + V on the device.
-    block_bytes = 2 * kv * bs * d * _np_dtype(case.dtype).itemsize
-    num_blocks = min(max(case.batch * pages, 64), POOL_BYTES // block_bytes) + 1
-    cache = t.spec((num_blocks, kv, bs, d), case.dtype)
+    cache = t.spec((kernel_pool_blocks(case), kv, bs, d), case.dtype)
     kw = dict(scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     if case.num_splits:
         kw["num_splits"] = case.num_splits

@@ -347,3 +347,16 @@ def test_buffering_of_tiles_prefetched_into_registers():
     b = gcc.ptx_buffering(_ptx(page, body))
     assert (b["loop_ld_global"], b["loop_ld_global_prefetched"]) == (2, 0)
     assert b["kv_buffers_in_flight"] == 1
+
+
+def test_kernel_pools_stay_out_of_the_offset_wrap_range():
+    # write_kv at 512 tokens x 8k context wants 262,145 blocks: an fp8 head_dim-64 cache
+    # of 2**31 + 8,192 elements in 2 GiB, which the kernels refuse (32-bit offsets wrap).
+    from pallas_kernels.layout import offsets_wrap
+
+    for case in gcc.grid_full():
+        if case.kernel in ("decode", "ragged", "write_kv", "copy_blocks"):
+            blocks = gcc.kernel_pool_blocks(case)
+            shape = (blocks, gcc.NUM_KV_HEADS, case.block_size, case.head_dim)
+            assert not offsets_wrap(shape, gcc._np_dtype(case.dtype).itemsize), case.name
+            assert blocks >= 64, case.name
