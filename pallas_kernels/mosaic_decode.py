@@ -1,0 +1,510 @@
+"""Decode paged attention on Mosaic GPU (Hopper): TMA page copies, an SMEM ring, wgmma.
+
+One program (one warpgroup) handles one work item (plan.py: a sequence and a key chunk),
+one KV head and one split of the chunk's keys:
+
+    grid = (num_items, num_kv_heads, num_splits)
+
+    q tile   [64, head_dim] in SMEM: the `group` q heads of this KV head, zero rows below
+             (wgmma's M is 64 per warpgroup; decode is bandwidth-bound, the padding rows
+             cost tensor-core time only). Built once per call in XLA (tiny next to K/V).
+    K/V ring [num_stages, block_k, head_dim] x 2 in SMEM; block_k = pages_per_step pages.
+             Every page of a step is one TMA copy (cache[page, kv_head] -> its rows of
+             the slot); a slot's K (and V) barrier expects pages_per_step arrivals.
+
+    step i:  wait K[slot]; S = Q K^T (wgmma); mask, online softmax; P -> SMEM (bf16/f16);
+             wait V[slot]; O += P V (wgmma); refill the slot with step i + num_stages.
+
+So num_stages - 1 steps of pages are in flight while one is computed. Each program writes
+an f32 partial output and its log-sum-exp; partials are merged per sequence by
+``_attention_kernel.combine_items`` (flash-decoding), as in the Triton decode kernel.
+
+Masking, as the Triton kernels: a key is visible iff it lies in the program's key range,
+in the sliding window, and its block-table id is in [0, num_blocks). An id outside the
+pool is never followed (block 0 is copied in its place and its keys are masked). Invisible
+scores become -1e30 and their probabilities 0; in a step that holds an invisible key the V
+rows of those keys are zeroed in SMEM before the PV product, so NaN/inf in the null block
+or in unused slots of a sequence's last page never reaches the output (0 * NaN is NaN).
+
+fp8 caches (e4m3fn / e5m2): pages are copied as fp8 and widened to q's dtype in SMEM
+(exact) before the products; k_scale multiplies the scores, v_scale the output.
+
+What GPU interpret mode (``plgpu.InterpretGPUParams``, jax 0.12.0.1, on CPU) runs, as
+exercised by this kernel and its tests: ``plgpu.kernel`` with a multi-dimensional grid and
+one warpgroup; TMA ``copy_gmem_to_smem`` of a dynamically indexed page (the id read as a
+scalar from the block table in GMEM) into a row slice of a tiled + swizzled SMEM slot;
+barriers with several arrivals per phase, reused across ring phases; ``wgmma`` from SMEM
+operands (including a transposed view) into a ``plgpu.ACC`` accumulator; register <->
+SMEM stores and loads, ``commit_smem``, TMA ``copy_smem_to_gmem`` and
+``wait_smem_to_gmem``; ``lax.fori_loop`` with bounds read at run time; ``pl.when``; the
+race detector (``detect_races=True``) over all of it. It simulates wgmma synchronously
+(``wgmma_wait`` is a no-op there) and does not run ``pl.run_state`` or the
+warp-specialised pipeline emitters' effects, which this kernel does not use.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import plan as plans
+from pallas_kernels._attention_kernel import NEG, combine_items
+from pallas_kernels.quantization import is_fp8, kv_scales_array
+from pallas_kernels.validation import validate_attention_inputs
+
+# First jax whose Mosaic GPU API (plgpu.kernel(out_type=, scratch_types=)) and GPU
+# interpret mode this kernel was written and tested against.
+MIN_JAX_VERSION = (0, 12, 0)
+# Rows of the q tile: one warpgroup's wgmma M.
+Q_TILE_ROWS = 64
+COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def jax_version() -> tuple[int, ...]:
+    """The installed jax version as a tuple of ints (e.g. (0, 12, 0))."""
+    parts = []
+    for p in jax.__version__.split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def mosaic_unavailable_reason() -> str | None:
+    """None when this jax runs the Mosaic GPU kernels, else a one-line reason."""
+    if jax_version() < MIN_JAX_VERSION:
+        need = ".".join(map(str, MIN_JAX_VERSION))
+        return f"the Mosaic GPU kernels need jax >= {need}, found jax {jax.__version__}"
+    return None
+
+
+def _plgpu():
+    """jax.experimental.pallas.mosaic_gpu, imported on use (older jax lacks parts of it)."""
+    reason = mosaic_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(reason)
+    from jax.experimental.pallas import mosaic_gpu
+
+    return mosaic_gpu
+
+
+def interpret_params(interpret: Any):
+    """``interpret`` as the kernel takes it: False -> None (compile for the GPU), True ->
+    default GPU interpret mode, an ``InterpretGPUParams`` as given (e.g. detect_races)."""
+    if interpret is False or interpret is None:
+        return None
+    if interpret is True:
+        return _plgpu().InterpretGPUParams()
+    return interpret
+
+
+def _swizzled(plgpu, rows: int, cols: int, dtype, num: int | None = None):
+    """An SMEM tile in the tiled + swizzled layout wgmma reads (widest swizzle that fits)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(cols * itemsize * 8)
+    transforms = (
+        plgpu.TilingTransform((8, swizzle // itemsize)),
+        plgpu.SwizzleTransform(swizzle),
+    )
+    shape = (rows, cols) if num is None else (num, rows, cols)
+    return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def _kernel(
+    items_ref,  # i32[num_items, 4] (plan.py)
+    seq_lens_ref,  # i32[num_seqs]
+    bt_ref,  # i32[num_seqs, max_blocks_per_seq]
+    scales_ref,  # f32[2]: k_scale, v_scale
+    q_ref,  # f[num_seqs, num_kv_heads, Q_TILE_ROWS, head_dim]
+    k_ref,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_ref,
+    o_ref,  # f32[num_splits, num_items, num_kv_heads, out_rows, head_dim]
+    lse_ref,  # f32[num_splits, num_items, num_kv_heads, out_rows]
+    q_smem,  # f[Q_TILE_ROWS, head_dim]
+    k_smem,  # f_cache[num_stages, block_k, head_dim]
+    v_smem,
+    kc_smem,  # f[block_k, head_dim] (fp8 caches: the widened tile) or None
+    vc_smem,
+    p_smem,  # f[Q_TILE_ROWS, block_k]
+    o_smem,  # f32[Q_TILE_ROWS, head_dim]
+    lse_smem,  # f32[Q_TILE_ROWS]
+    q_bar,
+    k_bar,  # [num_stages], pages_per_step arrivals each
+    v_bar,
+    *,
+    plgpu,
+    pages_per_step: int,
+    num_stages: int,
+    out_rows: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    g = jax.lax.axis_index("item")
+    h = jax.lax.axis_index("kv_head")
+    split = jax.lax.axis_index("split")
+    num_splits = jax.lax.axis_size("split")
+    num_seqs, max_blocks = bt_ref.shape
+    num_blocks, _, block_size, head_dim = k_ref.shape
+    block_k = pages_per_step * block_size
+    rows = Q_TILE_ROWS
+    fp8 = kc_smem is not None
+
+    seq_raw = items_ref[g, plans.ITEM_SEQ]
+    in_use = seq_raw < num_seqs
+    seq = jnp.minimum(seq_raw, num_seqs - 1)
+    ctx = seq_lens_ref[seq]
+    pos = ctx - 1  # the query token's position
+    k_hi = jnp.where(in_use, jnp.minimum(ctx, items_ref[g, plans.ITEM_HI]), 0)
+    k_lo = jnp.int32(0) if sliding_window is None else pos - sliding_window + 1
+    k_lo = jnp.maximum(jnp.maximum(k_lo, 0), items_ref[g, plans.ITEM_LO])
+    cb_lo = k_lo // block_k
+    num_cb = jnp.maximum((k_hi + block_k - 1) // block_k - cb_lo, 0)
+    per_split = (num_cb + num_splits - 1) // num_splits
+    my_lo = cb_lo + jnp.minimum(split * per_split, num_cb)
+    n_steps = cb_lo + jnp.minimum((split + 1) * per_split, num_cb) - my_lo
+
+    def page_ids(cb):  # -> pages_per_step (clamped id, in the pool) scalars of step cb
+        out = []
+        for j in range(pages_per_step):
+            col = cb * pages_per_step + j
+            page = bt_ref[seq, jnp.minimum(col, max_blocks - 1)]
+            ok = (page >= 0) & (page < num_blocks) & (col < max_blocks)
+            out.append((jnp.where(ok, page, 0), ok))
+        return out
+
+    def issue(cb, slot):  # TMA of step cb's pages into `slot` (one copy per page and ref)
+        for j, (page, _) in enumerate(page_ids(cb)):
+            rows_j = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows_j], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows_j], v_bar.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, h], q_smem, q_bar)
+    for s in range(num_stages):
+        pl.when(s < n_steps)(functools.partial(issue, my_lo + s, s))
+
+    plgpu.barrier_wait(q_bar)
+    key_col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
+
+    def step(i, carry):
+        m, denom, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim]
+        cb = my_lo + i
+        slot = jax.lax.rem(i, num_stages)
+        tok = cb * block_k + key_col
+        visible = (tok >= k_lo) & (tok < k_hi)
+        pages = page_ids(cb)
+        all_pages_ok = functools.reduce(jnp.logical_and, [ok for _, ok in pages])
+        for j, (_, ok) in enumerate(pages):
+            in_page = (key_col >= j * block_size) & (key_col < (j + 1) * block_size)
+            visible &= ok | ~in_page
+        # A step wholly inside the key range with every id in the pool needs no V masking.
+        partial = (cb * block_k < k_lo) | ((cb + 1) * block_k > k_hi) | ~all_pages_ok
+
+        plgpu.barrier_wait(k_bar.at[slot])
+        k_tile = k_smem.at[slot]
+        if fp8:
+            kc_smem[...] = k_smem[slot].astype(kc_smem.dtype)
+            plgpu.commit_smem()
+            k_tile = kc_smem
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_tile.T)
+            return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.float32)) * scale
+        if fp8:
+            s = s * scales_ref[0]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        s = jnp.where(visible, s, NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        denom = alpha * denom + jnp.sum(p, axis=1)
+        p_smem[...] = p.astype(p_smem.dtype)
+
+        plgpu.barrier_wait(v_bar.at[slot])
+        v_tile = v_smem.at[slot]
+        if fp8:
+            vc_smem[...] = v_smem[slot].astype(vc_smem.dtype)
+            v_tile = vc_smem
+
+        @pl.when(partial)
+        def _zero_invisible_v():
+            key_row = jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
+            tok_r = cb * block_k + key_row
+            keep = (tok_r >= k_lo) & (tok_r < k_hi)
+            for j, (_, ok) in enumerate(pages):
+                in_page = (key_row >= j * block_size) & (key_row < (j + 1) * block_size)
+                keep &= ok | ~in_page
+            v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((), v_tile.dtype))
+
+        plgpu.commit_smem()  # P (and any masked V) visible to the tensor core
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
+            return acc_ref[...]
+
+        o_step = pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
+
+        @pl.when(i + num_stages < n_steps)
+        def _refill():
+            issue(cb + num_stages, slot)
+
+        return m_new, denom, acc * alpha[:, None] + o_step
+
+    init = (
+        jnp.full((rows,), NEG, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, head_dim), jnp.float32),
+    )
+    m, denom, acc = jax.lax.fori_loop(0, n_steps, step, init)
+    has = denom > 0
+    o = acc / jnp.where(has, denom, 1.0)[:, None]
+    if fp8:
+        o = o * scales_ref[1]
+    o_smem[...] = o
+    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), NEG)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, g, h])
+    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[split, g, h])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def default_tiling(dtype, block_size: int, head_dim: int) -> dict[str, int]:
+    """pages_per_step and num_stages of the decode kernel for a cache dtype and page shape.
+
+    A step holds 64 keys (block_k = pages_per_step * block_size, at least one page): wgmma's
+    N and the TMA count per step stay small while a step still amortises its barrier
+    waits. Stages: as many (2-4) as keep the K/V ring under ~128 KB of SMEM.
+    """
+    pages_per_step = max(1, 64 // block_size)
+    stage_bytes = 2 * pages_per_step * block_size * head_dim * jnp.dtype(dtype).itemsize
+    num_stages = max(2, min(4, 131_072 // stage_bytes))
+    return dict(pages_per_step=pages_per_step, num_stages=num_stages)
+
+
+def _check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
+    _, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    if jnp.dtype(q.dtype) not in COMPUTE_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} must be bfloat16 or float16 for the Mosaic kernel")
+    if not is_fp8(k_cache.dtype) and k_cache.dtype != q.dtype:
+        raise ValueError(f"k_cache.dtype={k_cache.dtype} must equal q.dtype={q.dtype} or be fp8")
+    group = num_q_heads // num_kv_heads
+    if group > Q_TILE_ROWS:
+        raise ValueError(f"q heads per KV head={group} must be <= {Q_TILE_ROWS} (one wgmma tile)")
+    if block_size % 8:
+        raise ValueError(f"block_size={block_size} must be a multiple of 8 (TMA row tiles)")
+    if head_dim % 16:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 16 (wgmma K)")
+    block_k = pages_per_step * block_size
+    if pages_per_step < 1 or block_k % 8 or block_k > 256:
+        raise ValueError(
+            f"pages_per_step={pages_per_step} must give block_k = pages_per_step * block_size "
+            f"a multiple of 8 and <= 256 (wgmma N), got {block_k}"
+        )
+    if num_stages < 1:
+        raise ValueError(f"num_stages={num_stages} must be >= 1")
+
+
+def mosaic_decode_call(
+    q_tiles,  # f[num_seqs, num_kv_heads, Q_TILE_ROWS, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]
+    seq_lens,  # i32[num_seqs]
+    items,  # i32[num_items, 4]
+    kv_scales,  # f32[2]
+    *,
+    group: int,
+    pages_per_step: int,
+    num_stages: int,
+    num_splits: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    interpret: Any,
+):  # -> (f32[num_splits, num_items, kv, out_rows, d], f32[num_splits, num_items, kv, out_rows])
+    """The ``plgpu.kernel`` call: grid, SMEM scratch (q tile, K/V ring, P, output), barriers.
+
+    out_rows is the group rounded up to 8 rows (a TMA box of whole rows); rows past the
+    group are padding the caller drops.
+    """
+    plgpu = _plgpu()
+    num_items = items.shape[0]
+    _, num_kv_heads, block_size, head_dim = k_cache.shape
+    dtype = q_tiles.dtype
+    block_k = pages_per_step * block_size
+    out_rows = min(Q_TILE_ROWS, -(-group // 8) * 8)
+    fp8 = is_fp8(k_cache.dtype)
+    scratch = [
+        _swizzled(plgpu, Q_TILE_ROWS, head_dim, dtype),
+        _swizzled(plgpu, block_k, head_dim, k_cache.dtype, num=num_stages),
+        _swizzled(plgpu, block_k, head_dim, v_cache.dtype, num=num_stages),
+        _swizzled(plgpu, block_k, head_dim, dtype) if fp8 else None,
+        _swizzled(plgpu, block_k, head_dim, dtype) if fp8 else None,
+        _swizzled(plgpu, Q_TILE_ROWS, block_k, dtype),
+        plgpu.SMEM((Q_TILE_ROWS, head_dim), jnp.float32),
+        plgpu.SMEM((Q_TILE_ROWS,), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=pages_per_step, num_barriers=num_stages),
+    ]
+    body = functools.partial(
+        _kernel,
+        plgpu=plgpu,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        out_rows=out_rows,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    out_type = (
+        jax.ShapeDtypeStruct(
+            (num_splits, num_items, num_kv_heads, out_rows, head_dim), jnp.float32
+        ),
+        jax.ShapeDtypeStruct((num_splits, num_items, num_kv_heads, out_rows), jnp.float32),
+    )
+    call = plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_items, num_kv_heads, num_splits),
+        grid_names=("item", "kv_head", "split"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret_params(interpret),
+        kernel_name="paged_decode_attention_mosaic",
+    )
+    return call(items, seq_lens, block_tables, kv_scales, q_tiles, k_cache, v_cache)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "num_splits",
+        "num_items",
+        "pages_per_step",
+        "num_stages",
+        "interpret",
+    ),
+)
+def paged_attention_mosaic(
+    q,  # f[num_seqs, num_q_heads, head_dim]
+    k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
+    block_tables,  # i32[num_seqs, max_blocks_per_seq]; 0 (null block) pads
+    seq_lens,  # i32[num_seqs]; 0 = padded row
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
+    v_scale=None,
+    num_splits: int | None = None,
+    num_items: int | None = None,
+    pages_per_step: int | None = None,
+    num_stages: int | None = None,
+    interpret: Any = False,
+):  # -> f[num_seqs, num_q_heads, head_dim]
+    """Attention of each sequence's newest token over its paged context, on Mosaic GPU.
+
+    Same semantics and output as ``pallas_kernels.reference.paged_attention``.
+
+    Args:
+        q: One query token per sequence, at position seq_len - 1; bfloat16 or float16.
+        k_cache, v_cache: The paged caches (layout.py), q's dtype or fp8. block_size a
+            multiple of 8, head_dim a multiple of 16.
+        block_tables: Each sequence's block ids in token order, padded with 0. An id
+            outside [0, num_blocks) is never followed: its keys are invisible.
+        seq_lens: Context length of each sequence, including the query token.
+        scale: Softmax scale applied to q.k.
+        sliding_window: Keys at positions > p - sliding_window are seen (HF convention).
+        soft_cap: Scores become soft_cap * tanh(score / soft_cap).
+        k_scale, v_scale: Dequantization scales of an fp8 cache (runtime values).
+        num_splits: None: a work list of equal key chunks cut from the real lengths
+            (plan.decode_items). An int: every sequence split evenly into that many parts.
+        num_items: Length of the work list (num_splits=None); > num_seqs. None:
+            ``plan.num_decode_items`` (about two programs per SM of an H200).
+        pages_per_step, num_stages: Pages per online-softmax step and SMEM ring depth;
+            None: ``default_tiling``.
+        interpret: False: compile for the GPU. True or a ``plgpu.InterpretGPUParams``
+            (e.g. with detect_races=True): GPU interpret mode on CPU.
+
+    Returns:
+        The attention output, in q's dtype, one row per sequence.
+    """
+    validate_attention_inputs(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )
+    num_seqs, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, block_size, _ = k_cache.shape
+    tiling = default_tiling(k_cache.dtype, block_size, head_dim)
+    pages_per_step = tiling["pages_per_step"] if pages_per_step is None else pages_per_step
+    num_stages = tiling["num_stages"] if num_stages is None else num_stages
+    _check_shapes(q, k_cache, pages_per_step, num_stages)
+    group = num_q_heads // num_kv_heads
+    block_k = pages_per_step * block_size
+    qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+    if num_splits is None:
+        if num_items is None:
+            num_items = plans.num_decode_items(num_seqs, num_kv_heads)
+        if num_items <= num_seqs:
+            raise ValueError(f"num_items={num_items} must be > num_seqs={num_seqs}")
+        items = plans.decode_items(
+            seq_lens,
+            qsl,
+            block_k=block_k,
+            num_items=num_items,
+            sliding_window=sliding_window,
+        )
+        splits = 1
+    else:
+        if num_splits < 1:
+            raise ValueError(f"num_splits={num_splits} must be None or an int >= 1")
+        seq_ids = jnp.arange(num_seqs, dtype=jnp.int32)
+        zeros = jnp.zeros_like(seq_ids)
+        items = jnp.stack(
+            [seq_ids, seq_ids, zeros, jnp.full_like(seq_ids, plans.NO_KEY_LIMIT)], axis=1
+        )
+        splits = num_splits
+    # The q tile of each (sequence, KV head): its group of q heads, zero rows below.
+    q_tiles = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, Q_TILE_ROWS - group), (0, 0)))
+    o, lse = mosaic_decode_call(
+        q_tiles,
+        k_cache,
+        v_cache,
+        block_tables.astype(jnp.int32),
+        seq_lens.astype(jnp.int32),
+        items,
+        kv_scales_array(k_scale, v_scale),
+        group=group,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        num_splits=splits,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
+    out = combine_items(
+        o[:, :, :, :group], lse[:, :, :, :group], items[:, plans.ITEM_SEQ], num_seqs
+    )
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)

@@ -1,0 +1,205 @@
+"""Mosaic GPU decode kernel in GPU interpret mode (CPU) against the pure-JAX reference.
+
+Every kernel run has the race detector on (a race raises). Caches hold NaN in every slot
+the output must not depend on (pk_testing.make_case): the null block, unused blocks and
+slots past seq_len. Needs jax >= mosaic_decode.MIN_JAX_VERSION; older jax skips.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from pk_testing import assert_close, make_case, naive_attention
+
+from pallas_kernels import reference
+from pallas_kernels.mosaic_decode import mosaic_unavailable_reason, paged_attention_mosaic
+
+pytestmark = pytest.mark.skipif(
+    mosaic_unavailable_reason() is not None,
+    reason=str(mosaic_unavailable_reason()),
+)
+
+# One interpreted kernel call takes seconds; a hang must fail, not block CI.
+CALL_TIMEOUT_S = 300
+
+
+def interpret_params():
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams(detect_races=True)
+
+
+def with_timeout(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a thread, failing the test if it runs past CALL_TIMEOUT_S."""
+    result = {}
+
+    def target():
+        try:
+            result["out"] = jax.block_until_ready(fn(*args, **kwargs))
+        except BaseException as e:  # re-raised in the test thread
+            result["err"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(CALL_TIMEOUT_S)
+    assert not t.is_alive(), f"interpreted kernel ran past {CALL_TIMEOUT_S} s"
+    if "err" in result:
+        raise result["err"]
+    return result["out"]
+
+
+def check(case, dtype, *, sliding_window=None, soft_cap=None, **knobs):
+    scale = case.q.shape[-1] ** -0.5
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = with_timeout(paged_attention_mosaic, *args, **opts, interpret=interpret_params(), **knobs)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, reference.paged_attention(*args, **opts), dtype)
+    assert_close(out, naive_attention(case, **opts), dtype)
+
+
+FAST = [
+    # seq_lens straddle page edges (bs-1, bs, bs+1), a 1-token and a padded (0) sequence
+    pytest.param(
+        dict(seq_lens=[1, 15, 16, 17, 40, 0], block_size=16, num_kv_heads=1, group=4),
+        {},
+        dict(num_splits=1),
+        id="mixed-gqa4-one-split",
+    ),
+    pytest.param(
+        dict(seq_lens=[37, 100], block_size=16, num_kv_heads=2, group=4),
+        dict(sliding_window=20, soft_cap=5.0),
+        dict(num_splits=2),
+        id="window-cap-gqa4-splits2",
+    ),
+    pytest.param(
+        dict(seq_lens=[5, 90, 33], block_size=8, num_kv_heads=2, group=1),
+        {},
+        dict(num_items=6, pages_per_step=4, num_stages=2),
+        id="gqa1-worklist-bs8",
+    ),
+]
+
+
+@pytest.mark.parametrize("shape,masking,knobs", FAST)
+def test_mosaic_decode_matches_reference(shape, masking, knobs):
+    case = make_case(0, head_dim=64, dtype="bfloat16", **shape)
+    check(case, "bfloat16", **masking, **knobs)
+
+
+def test_mosaic_decode_float16_head_dim_128():
+    case = make_case(
+        1, seq_lens=[33, 17], block_size=16, num_kv_heads=1, group=8, head_dim=128, dtype="float16"
+    )
+    scale = 128**-0.5
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = with_timeout(
+        paged_attention_mosaic, *args, scale=scale, num_splits=1, interpret=interpret_params()
+    )
+    ref = reference.paged_attention(*args, scale=scale)
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=5e-3, rtol=5e-3
+    )
+
+
+def test_mosaic_decode_never_follows_ids_outside_the_pool():
+    # Ids -1 and num_blocks + 3 inside a sequence's length: their keys are invisible,
+    # exactly as in the reference (which masks them the same way).
+    case = make_case(2, seq_lens=[40, 20], block_size=16, num_kv_heads=1, group=4, head_dim=64)
+    tables = np.asarray(case.block_tables).copy()
+    num_blocks = case.k_cache.shape[0]
+    tables[0, 1] = -1
+    tables[1, 0] = num_blocks + 3
+    q, k, v = (x.astype(jnp.bfloat16) for x in (case.q, case.k_cache, case.v_cache))
+    args = (q, k, v, jnp.asarray(tables), case.seq_lens)
+    out = with_timeout(
+        paged_attention_mosaic, *args, scale=0.125, num_splits=1, interpret=interpret_params()
+    )
+    assert_close(out, reference.paged_attention(*args, scale=0.125), "bfloat16")
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_mosaic_decode_fp8_cache_with_scales(fp8):
+    case = make_case(3, seq_lens=[5, 40, 17], block_size=16, num_kv_heads=2, group=4, head_dim=64)
+    q = case.q.astype(jnp.bfloat16)
+    k, v = case.k_cache.astype(fp8), case.v_cache.astype(fp8)  # NaN poison stays NaN
+    scales = dict(k_scale=jnp.float32(0.7), v_scale=jnp.float32(1.3))
+    args = (q, k, v, case.block_tables, case.seq_lens)
+    out = with_timeout(
+        paged_attention_mosaic,
+        *args,
+        scale=0.125,
+        num_items=5,
+        interpret=interpret_params(),
+        **scales,
+    )
+    assert_close(out, reference.paged_attention(*args, scale=0.125, **scales), "bfloat16")
+
+
+def test_race_detector_reports_a_read_before_its_barrier():
+    # Control: the detector the tests rely on is live in this jax (a kernel that reads
+    # an SMEM tile before waiting on its TMA barrier must raise).
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, o_ref, smem, bar, out_smem):
+        plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+        out_smem[...] = smem[...] * 2  # the race: no barrier_wait yet
+        plgpu.barrier_wait(bar)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    racy = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((64, 64), jnp.float32),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.SMEM((64, 64), jnp.float32),
+        ],
+        grid=(1,),
+        grid_names=("x",),
+        interpret=interpret_params(),
+    )
+    with pytest.raises(Exception, match="RACE|race|CpuCallback"):
+        with_timeout(racy, jnp.ones((64, 64), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "field,kwargs,match",
+    [
+        ("dtype", dict(dtype="float32"), "bfloat16 or float16"),
+        ("group", dict(group=128), "<= 64"),
+        ("block_size", dict(block_size=4), "multiple of 8"),
+    ],
+)
+def test_mosaic_decode_rejects_unsupported_shapes(field, kwargs, match):
+    shape = dict(seq_lens=[5], block_size=16, num_kv_heads=1, group=4, head_dim=64)
+    shape.update(kwargs)
+    dtype = shape.pop("dtype", "bfloat16")
+    case = make_case(4, dtype=dtype, **shape)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    with pytest.raises(ValueError, match=match):
+        paged_attention_mosaic(*args, scale=0.125, interpret=True)
+
+
+SLOW = [
+    dict(seq_lens=[130, 7, 64], block_size=32, num_kv_heads=2, group=8, splits=3),
+    dict(seq_lens=[200, 1], block_size=16, num_kv_heads=1, group=2, splits=None),
+    dict(seq_lens=[77, 48, 3], block_size=8, num_kv_heads=4, group=4, splits=2),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SLOW)
+@pytest.mark.parametrize("masking", [{}, dict(sliding_window=33), dict(soft_cap=3.0)])
+def test_mosaic_decode_sweep(shape, masking):
+    shape = dict(shape)
+    splits = shape.pop("splits")
+    case = make_case(5, head_dim=64, dtype="bfloat16", **shape)
+    knobs = dict(num_splits=splits) if splits else dict(num_items=len(shape["seq_lens"]) + 4)
+    check(case, "bfloat16", **masking, **knobs)
