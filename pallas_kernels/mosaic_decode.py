@@ -61,6 +61,9 @@ from pallas_kernels.validation import validate_attention_inputs
 MIN_JAX_VERSION = (0, 12, 0)
 # Rows of the q tile: one warpgroup's wgmma M.
 Q_TILE_ROWS = 64
+# SMEM a program may allocate: an H200's per-block opt-in limit (232,448 B) less headroom
+# for Mosaic's own barriers and alignment.
+SMEM_BUDGET = 225_000
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -111,6 +114,12 @@ def _swizzled(plgpu, rows: int, cols: int, dtype, num: int | None = None):
     )
     shape = (rows, cols) if num is None else (num, rows, cols)
     return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+
+def widen(x, dtype):  # fp8 tile -> q's dtype, exact
+    # Through f32: Hopper converts e4m3/e5m2 only to f16 directly (Mosaic GPU's lowering
+    # rejects fp8 -> bf16); GPU interpret mode accepts either.
+    return x.astype(jnp.float32).astype(dtype)
 
 
 def _kernel(
@@ -182,6 +191,14 @@ def _kernel(
             plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows_j], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows_j], v_bar.at[slot])
 
+    def page_ok_of_keys(key_index, pages):  # -> i32 like key_index: 1 where the id is in the pool
+        # Int selects rather than bool scalars broadcast into bool vectors: Mosaic GPU's
+        # lowering rejects the latter (an i1 register conversion).
+        ok_key = jnp.ones_like(key_index)
+        for j, (_, ok) in enumerate(pages):
+            ok_key = jnp.where(key_index // block_size == j, ok.astype(jnp.int32), ok_key)
+        return ok_key
+
     plgpu.copy_gmem_to_smem(q_ref.at[seq, h], q_smem, q_bar)
     for s in range(num_stages):
         pl.when(s < n_steps)(functools.partial(issue, my_lo + s, s))
@@ -193,20 +210,17 @@ def _kernel(
         m, denom, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim]
         cb = my_lo + i
         slot = jax.lax.rem(i, num_stages)
-        tok = cb * block_k + key_col
-        visible = (tok >= k_lo) & (tok < k_hi)
         pages = page_ids(cb)
         all_pages_ok = functools.reduce(jnp.logical_and, [ok for _, ok in pages])
-        for j, (_, ok) in enumerate(pages):
-            in_page = (key_col >= j * block_size) & (key_col < (j + 1) * block_size)
-            visible &= ok | ~in_page
+        tok = cb * block_k + key_col
+        visible = (tok >= k_lo) & (tok < k_hi) & (page_ok_of_keys(key_col, pages) > 0)
         # A step wholly inside the key range with every id in the pool needs no V masking.
         partial = (cb * block_k < k_lo) | ((cb + 1) * block_k > k_hi) | ~all_pages_ok
 
         plgpu.barrier_wait(k_bar.at[slot])
         k_tile = k_smem.at[slot]
         if fp8:
-            kc_smem[...] = k_smem[slot].astype(kc_smem.dtype)
+            kc_smem[...] = widen(k_smem[slot], kc_smem.dtype)
             plgpu.commit_smem()
             k_tile = kc_smem
 
@@ -229,17 +243,14 @@ def _kernel(
         plgpu.barrier_wait(v_bar.at[slot])
         v_tile = v_smem.at[slot]
         if fp8:
-            vc_smem[...] = v_smem[slot].astype(vc_smem.dtype)
+            vc_smem[...] = widen(v_smem[slot], vc_smem.dtype)
             v_tile = vc_smem
 
         @pl.when(partial)
         def _zero_invisible_v():
             key_row = jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
             tok_r = cb * block_k + key_row
-            keep = (tok_r >= k_lo) & (tok_r < k_hi)
-            for j, (_, ok) in enumerate(pages):
-                in_page = (key_row >= j * block_size) & (key_row < (j + 1) * block_size)
-                keep &= ok | ~in_page
+            keep = (tok_r >= k_lo) & (tok_r < k_hi) & (page_ok_of_keys(key_row, pages) > 0)
             v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((), v_tile.dtype))
 
         plgpu.commit_smem()  # P (and any masked V) visible to the tensor core
@@ -274,17 +285,35 @@ def _kernel(
     plgpu.wait_smem_to_gmem(0)
 
 
-def default_tiling(dtype, block_size: int, head_dim: int) -> dict[str, int]:
-    """pages_per_step and num_stages of the decode kernel for a cache dtype and page shape.
+def smem_bytes(dtype, cache_dtype, head_dim: int, block_k: int, num_stages: int) -> int:
+    """SMEM one program allocates: q tile, K/V ring, fp8 widened tiles, P, f32 output, lse."""
+    q_size, c_size = jnp.dtype(dtype).itemsize, jnp.dtype(cache_dtype).itemsize
+    ring = num_stages * 2 * block_k * head_dim * c_size
+    widened = 2 * block_k * head_dim * q_size if is_fp8(cache_dtype) else 0
+    rows = Q_TILE_ROWS
+    fixed = rows * head_dim * q_size + rows * block_k * q_size + rows * head_dim * 4 + rows * 4
+    return ring + widened + fixed
 
-    A step holds 64 keys (block_k = pages_per_step * block_size, at least one page): wgmma's
-    N and the TMA count per step stay small while a step still amortises its barrier
-    waits. Stages: as many (2-4) as keep the K/V ring under ~128 KB of SMEM.
+
+def default_tiling(dtype, cache_dtype, block_size: int, head_dim: int) -> dict[str, int]:
+    """pages_per_step and num_stages of the decode kernel for q/cache dtypes and page shape.
+
+    A step holds up to 64 keys (block_k = pages_per_step * block_size, at least one page):
+    wgmma's N and the TMA count per step stay small while a step still amortises its
+    barrier waits. Stages: up to 4 while ``smem_bytes`` stays within SMEM_BUDGET; a step
+    is halved (down to one page) before the ring drops below 2 stages.
     """
     pages_per_step = max(1, 64 // block_size)
-    stage_bytes = 2 * pages_per_step * block_size * head_dim * jnp.dtype(dtype).itemsize
-    num_stages = max(2, min(4, 131_072 // stage_bytes))
-    return dict(pages_per_step=pages_per_step, num_stages=num_stages)
+    while True:
+        block_k = pages_per_step * block_size
+        num_stages = 4
+        while num_stages > 1 and smem_bytes(dtype, cache_dtype, head_dim, block_k, num_stages) > (
+            SMEM_BUDGET
+        ):
+            num_stages -= 1
+        if num_stages >= 2 or pages_per_step == 1:
+            return dict(pages_per_step=pages_per_step, num_stages=num_stages)
+        pages_per_step //= 2
 
 
 def _check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
@@ -455,7 +484,7 @@ def paged_attention_mosaic(
     )
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
-    tiling = default_tiling(k_cache.dtype, block_size, head_dim)
+    tiling = default_tiling(q.dtype, k_cache.dtype, block_size, head_dim)
     pages_per_step = tiling["pages_per_step"] if pages_per_step is None else pages_per_step
     num_stages = tiling["num_stages"] if num_stages is None else num_stages
     _check_shapes(q, k_cache, pages_per_step, num_stages)
