@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import NEG, combine_items
 from pallas_kernels.quantization import is_fp8, kv_scales_array
-from pallas_kernels.validation import validate_attention_inputs
+from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
 # First jax whose Mosaic GPU API (plgpu.kernel(out_type=, scratch_types=)) and GPU
 # interpret mode this kernel was written and tested against.
@@ -84,7 +84,7 @@ def mosaic_unavailable_reason() -> str | None:
     return None
 
 
-def _plgpu():
+def plgpu_module():
     """jax.experimental.pallas.mosaic_gpu, imported on use (older jax lacks parts of it)."""
     reason = mosaic_unavailable_reason()
     if reason is not None:
@@ -100,11 +100,11 @@ def interpret_params(interpret: Any):
     if interpret is False or interpret is None:
         return None
     if interpret is True:
-        return _plgpu().InterpretGPUParams()
+        return plgpu_module().InterpretGPUParams()
     return interpret
 
 
-def _swizzled(plgpu, rows: int, cols: int, dtype, num: int | None = None):
+def swizzled_smem(plgpu, rows: int, cols: int, dtype, num: int | None = None):
     """An SMEM tile in the tiled + swizzled layout wgmma reads (widest swizzle that fits)."""
     itemsize = jnp.dtype(dtype).itemsize
     swizzle = plgpu.find_swizzle(cols * itemsize * 8)
@@ -316,7 +316,7 @@ def default_tiling(dtype, cache_dtype, block_size: int, head_dim: int) -> dict[s
         pages_per_step //= 2
 
 
-def _check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
+def check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
     _, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     if jnp.dtype(q.dtype) not in COMPUTE_DTYPES:
@@ -363,7 +363,7 @@ def mosaic_decode_call(
     out_rows is the group rounded up to 8 rows (a TMA box of whole rows); rows past the
     group are padding the caller drops.
     """
-    plgpu = _plgpu()
+    plgpu = plgpu_module()
     num_items = items.shape[0]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     dtype = q_tiles.dtype
@@ -371,12 +371,12 @@ def mosaic_decode_call(
     out_rows = min(Q_TILE_ROWS, -(-group // 8) * 8)
     fp8 = is_fp8(k_cache.dtype)
     scratch = [
-        _swizzled(plgpu, Q_TILE_ROWS, head_dim, dtype),
-        _swizzled(plgpu, block_k, head_dim, k_cache.dtype, num=num_stages),
-        _swizzled(plgpu, block_k, head_dim, v_cache.dtype, num=num_stages),
-        _swizzled(plgpu, block_k, head_dim, dtype) if fp8 else None,
-        _swizzled(plgpu, block_k, head_dim, dtype) if fp8 else None,
-        _swizzled(plgpu, Q_TILE_ROWS, block_k, dtype),
+        swizzled_smem(plgpu, Q_TILE_ROWS, head_dim, dtype),
+        swizzled_smem(plgpu, block_k, head_dim, k_cache.dtype, num=num_stages),
+        swizzled_smem(plgpu, block_k, head_dim, v_cache.dtype, num=num_stages),
+        swizzled_smem(plgpu, block_k, head_dim, dtype) if fp8 else None,
+        swizzled_smem(plgpu, block_k, head_dim, dtype) if fp8 else None,
+        swizzled_smem(plgpu, Q_TILE_ROWS, block_k, dtype),
         plgpu.SMEM((Q_TILE_ROWS, head_dim), jnp.float32),
         plgpu.SMEM((Q_TILE_ROWS,), jnp.float32),
         plgpu.Barrier(num_barriers=1),
@@ -423,10 +423,11 @@ def mosaic_decode_call(
         "pages_per_step",
         "num_stages",
         "interpret",
+        "validate",
     ),
 )
 def paged_attention_mosaic(
-    q,  # f[num_seqs, num_q_heads, head_dim]
+    q,  # f[num_seqs, num_q_heads, head_dim], or f[num_tokens, ...] rows given by `plan`
     k_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     v_cache,  # f[num_blocks, num_kv_heads, block_size, head_dim]
     block_tables,  # i32[num_seqs, max_blocks_per_seq]; 0 (null block) pads
@@ -442,6 +443,8 @@ def paged_attention_mosaic(
     pages_per_step: int | None = None,
     num_stages: int | None = None,
     interpret: Any = False,
+    validate: bool = False,
+    plan: plans.AttentionPlan | None = None,
 ):  # -> f[num_seqs, num_q_heads, head_dim]
     """Attention of each sequence's newest token over its paged context, on Mosaic GPU.
 
@@ -449,6 +452,8 @@ def paged_attention_mosaic(
 
     Args:
         q: One query token per sequence, at position seq_len - 1; bfloat16 or float16.
+            With `plan`, the step's flat rows, sequence s's token at
+            plan.query_start_loc[s] (sequences whose query range is not one row get 0).
         k_cache, v_cache: The paged caches (layout.py), q's dtype or fp8. block_size a
             multiple of 8, head_dim a multiple of 16.
         block_tables: Each sequence's block ids in token order, padded with 0. An id
@@ -466,32 +471,49 @@ def paged_attention_mosaic(
             None: ``default_tiling``.
         interpret: False: compile for the GPU. True or a ``plgpu.InterpretGPUParams``
             (e.g. with detect_races=True): GPU interpret mode on CPU.
+        validate: Check block ids and lengths against the pool on device (debug; needs
+            checkify, see ``pallas_kernels.checked``).
+        plan: A step's precomputed work list (``step_attention``): its decode chunks are
+            used as they are (num_splits, num_items ignored).
 
     Returns:
         The attention output, in q's dtype, one row per sequence.
     """
+    num_seqs = block_tables.shape[0]
     validate_attention_inputs(
         q,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        None if plan is None else plan.query_start_loc,
         scale=scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
         k_scale=k_scale,
         v_scale=v_scale,
     )
-    num_seqs, num_q_heads, head_dim = q.shape
+    if validate:
+        if plan is None:
+            check_attention_values(k_cache, block_tables, seq_lens)
+        else:
+            qsl = plan.query_start_loc
+            check_attention_values(k_cache, block_tables, seq_lens, qsl, q.shape[0])
+    num_rows, num_q_heads, head_dim = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     tiling = default_tiling(q.dtype, k_cache.dtype, block_size, head_dim)
     pages_per_step = tiling["pages_per_step"] if pages_per_step is None else pages_per_step
     num_stages = tiling["num_stages"] if num_stages is None else num_stages
-    _check_shapes(q, k_cache, pages_per_step, num_stages)
+    check_shapes(q, k_cache, pages_per_step, num_stages)
     group = num_q_heads // num_kv_heads
     block_k = pages_per_step * block_size
     qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
-    if num_splits is None:
+    if plan is not None:
+        # Chunk edges are multiples of plan.decode_block_k, not necessarily of this
+        # kernel's block_k: a step that straddles an edge is masked like a partial page.
+        items = plan.decode_items
+        splits = 1
+    elif num_splits is None:
         if num_items is None:
             num_items = plans.num_decode_items(num_seqs, num_kv_heads)
         if num_items <= num_seqs:
@@ -513,6 +535,9 @@ def paged_attention_mosaic(
             [seq_ids, seq_ids, zeros, jnp.full_like(seq_ids, plans.NO_KEY_LIMIT)], axis=1
         )
         splits = num_splits
+    if plan is not None:  # each sequence's row (a decode token's; others get no item)
+        rows = jnp.minimum(plan.query_start_loc[:-1], num_rows - 1)
+        q = q[rows]
     # The q tile of each (sequence, KV head): its group of q heads, zero rows below.
     q_tiles = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q_tiles = jnp.pad(q_tiles, ((0, 0), (0, 0), (0, Q_TILE_ROWS - group), (0, 0)))

@@ -1,4 +1,4 @@
-"""Mosaic GPU decode kernel in GPU interpret mode (CPU) against the pure-JAX reference.
+"""Mosaic GPU decode and ragged kernels in GPU interpret mode (CPU) against the reference.
 
 Every kernel run has the race detector on (a race raises). Caches hold NaN in every slot
 the output must not depend on (pk_testing.make_case): the null block, unused blocks and
@@ -7,6 +7,11 @@ slots past seq_len. Needs jax >= mosaic_decode.MIN_JAX_VERSION; older jax skips.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+import sys
 import threading
 
 import jax
@@ -15,6 +20,7 @@ import numpy as np
 import pytest
 from pk_testing import assert_close, make_case, naive_attention
 
+from pallas_kernels import plan as plans
 from pallas_kernels import reference
 from pallas_kernels.mosaic_decode import (
     SMEM_BUDGET,
@@ -23,11 +29,14 @@ from pallas_kernels.mosaic_decode import (
     paged_attention_mosaic,
     smem_bytes,
 )
+from pallas_kernels.mosaic_ragged import ragged_paged_attention_mosaic
 
 pytestmark = pytest.mark.skipif(
     mosaic_unavailable_reason() is not None,
     reason=str(mosaic_unavailable_reason()),
 )
+
+COMPILE_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_compile_check.py"
 
 # One interpreted kernel call takes seconds; a hang must fail, not block CI.
 CALL_TIMEOUT_S = 300
@@ -221,3 +230,188 @@ def test_default_tiling_fits_the_smem_budget(cache_dtype, block_size, head_dim):
     block_k = t["pages_per_step"] * block_size
     assert smem_bytes("bfloat16", cache_dtype, head_dim, block_k, t["num_stages"]) <= SMEM_BUDGET
     assert t["num_stages"] >= 2 or t["pages_per_step"] == 1
+
+
+# Ragged: prefill (crossing pages), a chunk over a cached prefix, decodes, a padded
+# sequence (seq_len 0, no rows) and padding rows past query_start_loc[-1].
+RAGGED = dict(seq_lens=[19, 53, 33, 16, 0], q_lens=[19, 14, 1, 1, 0], num_rows=40, block_size=16)
+
+
+def check_ragged(case, dtype, *, sliding_window=None, soft_cap=None, **knobs):
+    scale = case.q.shape[-1] ** -0.5
+    opts = dict(scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    args = (
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+    )
+    out = with_timeout(
+        ragged_paged_attention_mosaic, *args, **opts, interpret=interpret_params(), **knobs
+    )
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert_close(out, reference.ragged_paged_attention(*args, **opts), dtype)
+    assert_close(out, naive_attention(case, **opts), dtype)
+
+
+RAGGED_FAST = [
+    # block_q 16 x GQA 4: exactly one 64-row tile per query block
+    pytest.param(dict(num_kv_heads=1, group=4), {}, dict(num_splits=1), id="gqa4-bq16"),
+    # GQA 8 at block_q 16: two tiles per query block; window + cap; split keys
+    pytest.param(
+        dict(num_kv_heads=2, group=8),
+        dict(sliding_window=20, soft_cap=5.0),
+        dict(block_q=16, num_splits=2),
+        id="gqa8-two-tiles-window-cap-splits2",
+    ),
+    # GQA 1: 64 tokens per block, so one block holds several sequences' worth of rows
+    pytest.param(
+        dict(num_kv_heads=2, group=1),
+        {},
+        dict(pages_per_step=2, num_stages=2),
+        id="gqa1-default-bq",
+    ),
+]
+
+
+@pytest.mark.parametrize("shape,masking,knobs", RAGGED_FAST)
+def test_mosaic_ragged_matches_reference(shape, masking, knobs):
+    case = make_case(6, head_dim=64, dtype="bfloat16", **RAGGED, **shape)
+    check_ragged(case, "bfloat16", **masking, **knobs)
+
+
+def test_mosaic_ragged_fp8_cache_with_scales():
+    case = make_case(7, head_dim=64, num_kv_heads=1, group=4, **RAGGED)
+    q = case.q.astype(jnp.bfloat16)
+    k, v = case.k_cache.astype("float8_e4m3fn"), case.v_cache.astype("float8_e4m3fn")
+    scales = dict(k_scale=jnp.float32(0.7), v_scale=jnp.float32(1.3))
+    args = (q, k, v, case.block_tables, case.seq_lens, case.query_start_loc)
+    out = with_timeout(
+        ragged_paged_attention_mosaic, *args, scale=0.125, interpret=interpret_params(), **scales
+    )
+    ref = reference.ragged_paged_attention(*args, scale=0.125, **scales)
+    assert_close(out, ref, "bfloat16")
+
+
+def test_mosaic_kernels_take_a_step_plan():
+    # A mixed step's plan: the ragged kernel skips the decode sequences (their rows are
+    # 0 there) and the decode kernel takes them from the flat rows.
+    from pallas_kernels.plan import make_plan
+
+    case = make_case(8, head_dim=64, num_kv_heads=1, group=4, dtype="bfloat16", **RAGGED)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    qsl = case.query_start_loc
+    plan = make_plan(
+        case.seq_lens,
+        qsl,
+        num_tokens=case.q.shape[0],
+        num_kv_heads=1,
+        decode_block_k=32,
+        ragged_block_q=16,
+        decode_only=False,
+    )
+    # A short decode work list keeps the interpreted grid small (the default has ~264 items).
+    short = plans.decode_items(case.seq_lens, qsl, block_k=32, num_items=7)
+    plan = dataclasses.replace(plan, decode_items=short)
+    ref = np.asarray(reference.ragged_paged_attention(*args, qsl, scale=0.125), np.float32)
+    rag = with_timeout(
+        ragged_paged_attention_mosaic, *args, qsl, scale=0.125, plan=plan, interpret=True
+    )
+    dec = with_timeout(paged_attention_mosaic, *args, scale=0.125, plan=plan, interpret=True)
+    decode_rows = np.asarray(plan.decode_row)
+    assert decode_rows.sum() == 2
+    others = ~decode_rows[:, None, None]
+    assert_close(np.where(others, rag, 0.0), np.where(others, ref, 0.0), "bfloat16")
+    assert not np.asarray(rag, np.float32)[decode_rows].any()
+    seq_of_row = np.minimum(np.asarray(plan.row_seq), len(RAGGED["seq_lens"]) - 1)
+    assert_close(np.asarray(dec, np.float32)[seq_of_row][decode_rows], ref[decode_rows], "bfloat16")
+
+
+def test_mosaic_ragged_never_follows_ids_outside_the_pool():
+    case = make_case(9, head_dim=64, num_kv_heads=1, group=4, dtype="bfloat16", **RAGGED)
+    tables = np.asarray(case.block_tables).copy()
+    tables[1, 1] = -1
+    tables[2, 0] = case.k_cache.shape[0] + 3
+    args = (case.q, case.k_cache, case.v_cache, jnp.asarray(tables), case.seq_lens)
+    args += (case.query_start_loc,)
+    out = with_timeout(
+        ragged_paged_attention_mosaic, *args, scale=0.125, interpret=interpret_params()
+    )
+    assert_close(out, reference.ragged_paged_attention(*args, scale=0.125), "bfloat16")
+
+
+RAGGED_SLOW = [
+    dict(
+        seq_lens=[70, 9, 130, 1, 0],
+        q_lens=[70, 3, 40, 1, 0],
+        num_rows=120,
+        block_size=16,
+        num_kv_heads=1,
+        group=8,
+    ),
+    dict(seq_lens=[33, 100, 5], q_lens=[33, 1, 5], block_size=8, num_kv_heads=2, group=4),
+    dict(seq_lens=[64, 48], q_lens=[20, 48], num_rows=72, block_size=32, num_kv_heads=2, group=1),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", RAGGED_SLOW)
+@pytest.mark.parametrize(
+    "masking,knobs",
+    [({}, dict(num_splits=3)), (dict(sliding_window=17), {}), (dict(soft_cap=3.0), {})],
+)
+def test_mosaic_ragged_sweep(shape, masking, knobs):
+    case = make_case(10, head_dim=64, dtype="bfloat16", **shape)
+    check_ragged(case, "bfloat16", **masking, **knobs)
+
+
+def _h200_target():
+    """A compile-only H200 device (CUDA plugin needed), or skip."""
+    try:
+        from jax.experimental import topologies
+
+        spec = importlib.util.spec_from_file_location("gpu_compile_check_mosaic", COMPILE_SCRIPT)
+        gcc = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = gcc  # dataclasses look their module up by name
+        spec.loader.exec_module(gcc)
+        topo = topologies.get_topology_desc(
+            platform="cuda", target_config=gcc.TARGET_CONFIG, topology="1x1x1"
+        )
+    except Exception as e:  # no CUDA plugin in this venv
+        pytest.skip(f"no deviceless H200 target here ({type(e).__name__}: {e})"[:200])
+    return topo.devices[0]
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_mosaic_kernels_lower_for_an_h200(kernel, cache_dtype):
+    # GPU interpret mode accepts casts and index patterns the real lowering rejects
+    # (fp8 -> bf16, i1 broadcasts, a TMA box at a row offset not known to be a multiple
+    # of the SMEM tiling): Mosaic's layout inference and SMEM check must pass too.
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    device = _h200_target()
+    sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+
+    def spec(shape, dtype="int32"):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+
+    seqs, pages, bs, kv, d = 4, 16, 16, 2, 128
+    cache = spec((seqs * pages + 1, kv, bs, d), cache_dtype)
+    static = dict(scale=d**-0.5, sliding_window=100, soft_cap=30.0)
+    scales = {}
+    if cache_dtype != "bfloat16":
+        scales = dict(k_scale=spec((), "float32"), v_scale=spec((), "float32"))
+    tokens = 64 if kernel == "ragged" else seqs
+    args = [spec((tokens, kv * 4, d), "bfloat16"), cache, cache, spec((seqs, pages))]
+    args.append(spec((seqs,)))
+    fn = paged_attention_mosaic
+    if kernel == "ragged":
+        args.append(spec((seqs + 1,)))
+        fn = ragged_paged_attention_mosaic
+    with jax.default_device(device):
+        lowered = jax.jit(functools.partial(fn, **static)).lower(*args, **scales)
+        assert "mosaic_gpu" in lowered.as_text()
+        lowered.compile()
