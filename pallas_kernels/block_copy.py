@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layout import next_power_of_two
+from pallas_kernels.layout import next_power_of_two, tile_warps
 from pallas_kernels.validation import check_copy_pairs, check_offsets_fit, validate_copy_blocks
 
 
@@ -71,7 +71,7 @@ def copy_blocks(
     src_block_ids,  # i32[num_copies]
     dst_block_ids,  # i32[num_copies]; -1 = padding, skipped
     *,
-    num_warps: int = 2,
+    num_warps: int | None = None,
     interpret: bool = False,
     validate: bool = False,
 ):  # -> (k_cache, v_cache), updated
@@ -80,7 +80,8 @@ def copy_blocks(
     A pair whose src or dst is not a block id in [0, num_blocks) is dropped.
 
     Args:
-        num_warps: Triton compiler param.
+        num_warps: Triton compiler param; None: ``layout.tile_warps`` of one K and one
+            V tile, at least 2 (8 for f32 at block 32 x head_dim 256).
         interpret: Run the Pallas interpreter (CPU tests).
         validate: Check the (src, dst) pairs against the pool on device (debug; needs
             checkify).
@@ -94,6 +95,10 @@ def copy_blocks(
     num_copies = src_block_ids.shape[0]
     if num_copies == 0:
         return k_cache, v_cache
+
+    tile = (next_power_of_two(block_size), next_power_of_two(head_dim))
+    if num_warps is None:
+        num_warps = tile_warps(2 * tile[0] * tile[1], jnp.dtype(k_cache.dtype).itemsize, 2)
 
     def whole(shape):
         zeros = (0,) * len(shape)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.layout import next_power_of_two
+from pallas_kernels.layout import next_power_of_two, tile_warps
 from pallas_kernels.quantization import kv_scales_array, quantize
 from pallas_kernels.validation import check_offsets_fit, check_slot_mapping, validate_write_kv
 
@@ -95,7 +95,7 @@ def write_kv(
     k_scale=None,  # f32 scalar (traced) or None = 1.0; fp8 caches only
     v_scale=None,
     block_t: int = 16,
-    num_warps: int = 1,
+    num_warps: int | None = None,
     interpret: bool = False,
     validate: bool = False,
 ):  # -> (k_cache, v_cache), updated
@@ -106,7 +106,8 @@ def write_kv(
     Args:
         k_scale, v_scale: An fp8 cache stores saturate(k / k_scale); runtime values.
         block_t: Tokens per program (power of two).
-        num_warps: Triton compiler param.
+        num_warps: Triton compiler param; None: ``layout.tile_warps`` of the program's
+            K and V rows (1 for bf16 head_dim 128, 4 for f32 head_dim 256).
         interpret: Run the Pallas interpreter (CPU tests).
         validate: Check every slot against the pool on device (debug; needs checkify).
     """
@@ -121,6 +122,9 @@ def write_kv(
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return k_cache, v_cache
+    if num_warps is None:
+        wide = max(jnp.dtype(k.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize)
+        num_warps = tile_warps(2 * block_t * next_power_of_two(head_dim), wide)
     whole = _whole_spec
     return pl.pallas_call(
         functools.partial(_write_kv_kernel, block_t=block_t, lanes=next_power_of_two(head_dim)),

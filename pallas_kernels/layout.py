@@ -121,3 +121,14 @@ def init_kv_cache(
             f"dtype={dtype} must be one of float32, bfloat16, float16, float8_e4m3fn, float8_e5m2"
         )
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def tile_warps(tile_elems: int, itemsize: int, floor: int = 1) -> int:
+    """Triton warps for a program that holds `tile_elems` elements of `itemsize` bytes in
+    registers (e.g. the K and V rows of a write or a block copy): one warp per 8 KB
+    (64 32-bit registers a thread), a power of two in [floor, 8]. More bytes per warp
+    spill on sm_90 (an f32 head_dim-256 write at 1 warp spilled 296 B)."""
+    warps = floor
+    while warps < 8 and tile_elems * itemsize > warps * 8192:
+        warps *= 2
+    return warps

@@ -62,8 +62,8 @@ def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[s
     3 stages (two K/V tiles in flight; f32: block_k 16), and block_q 16 lowered until the
     q tile (block_q x next_pow2(group) rows x head_dim) holds at most 8,192 elements
     (2,048 for f32), where the deviceless H200 compiles stay under 255 registers without
-    spilling at the warps ``default_num_warps`` gives (fp8 at head_dim 256: block_k 16,
-    8 warps) (scripts/gpu_compile_check.py).
+    spilling at the warps ``default_num_warps`` gives (f32: 8 warps; fp8 at head_dim
+    256: 16-row q tiles, block_k 16, 8 warps) (scripts/gpu_compile_check.py).
     """
     tuned = tuned_config(
         "ragged_paged_attention",
@@ -80,10 +80,14 @@ def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[s
     while block_q > 1 and block_q > cap:
         block_q //= 2
     config = dict(block_q=block_q, block_k=16 if wide else 32, num_stages=3)
+    if wide:  # f32 scores, tiles and accumulator: 8 warps, or they spill
+        # (at head_dim 256 also a single K/V stage: the ptxas path spills 4 B with two)
+        config.update(num_warps=8, num_stages=2 if tile_d >= 256 else 3)
     if jnp.dtype(dtype).itemsize == 1 and tile_d >= 256:
         # fp8 tiles are widened to q's dtype in registers: at head_dim 256 that spills
-        # unless the K/V tile is small and spread over 8 warps.
-        config.update(block_k=16, num_warps=8)
+        # unless the K/V tile is small, the q tile at most 16 rows and 8 warps share it.
+        block_q = max(1, min(block_q, 16 // pl.next_power_of_2(group)))
+        config.update(block_q=block_q, block_k=16, num_warps=8)
     if tuned:
         keys = ("block_q", "block_k", "num_stages", "num_warps")
         config.update({k: tuned[k] for k in keys if k in tuned})
