@@ -57,8 +57,10 @@ class EngineConfig:
         preemption_mode: "recompute" or "swap" (KV blocks copied to host memory).
         scheduling_policy: "fcfs" or "priority" (lower value = served first).
         attention_backend: "auto" (Pallas on GPU, pure-JAX reference elsewhere),
-            "pallas", "pallas_interpret" (Pallas in interpret mode, for tests) or
-            "reference".
+            "pallas", "pallas_interpret" (Pallas in interpret mode, for tests),
+            "mosaic_gpu" (Mosaic GPU attention kernels: Hopper or newer, jax >= 0.12,
+            bf16/f16 models), "mosaic_gpu_interpret" (the same in GPU interpret mode on
+            CPU, for tests) or "reference".
         dtype: weights and KV dtype: "auto" (bfloat16 on GPU, float32 elsewhere),
             "float32", "bfloat16" or "float16".
         kv_cache_dtype: "auto" (the model dtype), "fp8_e4m3" (alias "fp8") or

@@ -1,8 +1,9 @@
 """The one seam that picks an implementation of the paged ops: ``get_attention_ops(name)``,
 and ``step_attention``, which sends one engine step through it (decode or ragged kernel).
 
-A Mosaic GPU (Hopper) kernel set would be added here as one more name; callers
-(models, engine) only ever hold an ``AttentionOps``.
+Backends: the Pallas Triton kernels ("pallas", "pallas_interpret"), the Mosaic GPU
+attention kernels ("mosaic_gpu", "mosaic_gpu_interpret") and the pure-JAX reference;
+callers (models, engine) only ever hold an ``AttentionOps``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import reference
-from pallas_kernels.names import BACKEND_NAMES, AttentionBackend
+from pallas_kernels.names import BACKEND_NAMES, AttentionBackend, mosaic_jax_reason
 from pallas_kernels.validation import check_decode_rows
 
 
@@ -65,6 +66,56 @@ def _pallas_ops() -> AttentionOps:
     )
 
 
+def _mosaic_ops(interpret: bool, validate: bool) -> AttentionOps:
+    """The Mosaic GPU attention kernels (both take a step plan). write_kv and copy_blocks
+    are the Triton kernels on a GPU and the references in GPU interpret mode: Pallas
+    Triton kernels do not run under Mosaic's interpreter, and the references write the
+    same cache bytes."""
+    from pallas_kernels.mosaic_decode import paged_attention_mosaic
+    from pallas_kernels.mosaic_ragged import ragged_paged_attention_mosaic
+
+    if interpret:
+        write_kv, copy_blocks = reference.write_kv, reference.copy_blocks
+    else:
+        from pallas_kernels.block_copy import copy_blocks
+        from pallas_kernels.kv_write import write_kv
+    kw = {"validate": True} if validate else {}
+    attn = dict(kw, interpret=True) if interpret else kw
+
+    def bind(fn, bound):
+        return functools.partial(fn, **bound) if bound else fn
+
+    return AttentionOps(
+        write_kv=bind(write_kv, kw),
+        ragged_paged_attention=bind(ragged_paged_attention_mosaic, attn),
+        paged_attention=bind(paged_attention_mosaic, attn),
+        copy_blocks=bind(copy_blocks, kw),
+        validate=validate,
+        takes_plan=True,
+    )
+
+
+def mosaic_unavailable(name: str) -> str | None:
+    """Why backend `name` ("mosaic_gpu" or "mosaic_gpu_interpret") cannot run here, in
+    one line, or None. Both need jax >= names.MOSAIC_MIN_JAX_VERSION; "mosaic_gpu" also
+    a GPU of compute capability >= 9 (Hopper: TMA and wgmma)."""
+    reason = mosaic_jax_reason(jax.__version__)
+    if reason is not None or name != "mosaic_gpu":
+        return reason
+    if jax.default_backend() != "gpu":
+        return (
+            f"the Mosaic GPU kernels need an NVIDIA GPU, found the {jax.default_backend()} platform"
+        )
+    device = jax.devices()[0]
+    capability = str(getattr(device, "compute_capability", "0"))
+    if float(capability) < 9:
+        return (
+            f"the Mosaic GPU kernels need a Hopper or newer GPU (compute capability >= 9.0), "
+            f"found {device.device_kind} ({capability})"
+        )
+    return None
+
+
 def _reference_ops() -> AttentionOps:
     return AttentionOps(
         reference.write_kv,
@@ -94,13 +145,16 @@ def _bind(ops: AttentionOps, validate: bool, **bound) -> AttentionOps:
 def valid_backends(platform: str | None = None) -> tuple[str, ...]:
     """Backend names that run on `platform` (default: jax's default backend).
 
-    "pallas" compiles the kernels with Triton, so it needs a GPU; elsewhere the
-    kernels only run in the Pallas interpreter ("pallas_interpret").
+    "pallas" compiles the kernels with Triton and "mosaic_gpu" with Mosaic GPU, so both
+    need a GPU; elsewhere the kernels only run in an interpreter ("pallas_interpret",
+    "mosaic_gpu_interpret"). Both Mosaic names need jax >= 0.12 (``mosaic_unavailable``;
+    a pre-Hopper GPU is refused when the ops are built).
     """
     platform = platform or jax.default_backend()
-    if platform == "gpu":
-        return BACKEND_NAMES
-    return tuple(name for name in BACKEND_NAMES if name != "pallas")
+    gpu_only = () if platform == "gpu" else ("pallas", "mosaic_gpu")
+    if mosaic_jax_reason(jax.__version__) is not None:
+        gpu_only += ("mosaic_gpu", "mosaic_gpu_interpret")
+    return tuple(name for name in BACKEND_NAMES if name not in gpu_only)
 
 
 def check_backend(name: str, platform: str | None = None) -> None:
@@ -109,6 +163,9 @@ def check_backend(name: str, platform: str | None = None) -> None:
     valid = valid_backends(platform)
     if name not in valid:
         why = " (Pallas/Triton kernels need an NVIDIA GPU)" if name == "pallas" else ""
+        if name in ("mosaic_gpu", "mosaic_gpu_interpret"):
+            reason = mosaic_jax_reason(jax.__version__) or "the Mosaic GPU kernels need a GPU"
+            why = f" ({reason})"
         raise ValueError(
             f"attention_backend={name!r} cannot run on this {platform} platform{why}; "
             f"valid here: {', '.join(map(repr, valid))}"
@@ -123,14 +180,19 @@ def get_attention_ops(
     Args:
         name: "auto" (Pallas kernels when ``jax.default_backend() == "gpu"``, else the
             pure-JAX reference), "pallas" (Pallas/Triton kernels, GPU), "pallas_interpret"
-            (the same kernels run by the Pallas interpreter, for CPU tests) or "reference";
-            an AttentionOps (e.g. one whose ops run per shard of a mesh) is returned as is.
+            (the same kernels run by the Pallas interpreter, for CPU tests), "mosaic_gpu"
+            (the Mosaic GPU attention kernels: Hopper or newer, jax >= 0.12),
+            "mosaic_gpu_interpret" (the same in GPU interpret mode on CPU) or
+            "reference"; an AttentionOps (e.g. one whose ops run per shard of a mesh) is
+            returned as is. "auto" keeps the Triton kernels on a GPU until a measurement
+            shows the Mosaic ones ahead (docs/kernels.md).
         validate: Bind ``validate=True`` into every op: block ids, slots, lengths and
             copy pairs are range-checked on device with checkify (a debug path: the
             caller wraps its jitted function in ``checkify.checkify``).
 
     Raises:
-        ValueError: ``name`` is not one of the names above.
+        ValueError: ``name`` is not one of the names above, or a Mosaic name where it
+            cannot run (``mosaic_unavailable`` says why).
     """
     if isinstance(name, AttentionOps):
         return name
@@ -139,6 +201,11 @@ def get_attention_ops(
     if name in ("pallas", "pallas_interpret"):
         interpret = {"interpret": True} if name == "pallas_interpret" else {}
         return _bind(_pallas_ops(), validate, **interpret)
+    if name in ("mosaic_gpu", "mosaic_gpu_interpret"):
+        reason = mosaic_unavailable(name)
+        if reason is not None:
+            raise ValueError(f"attention_backend={name!r}: {reason}")
+        return _mosaic_ops(name == "mosaic_gpu_interpret", validate)
     if name == "reference":
         return _bind(_reference_ops(), validate)
     raise ValueError(f"name={name!r} must be one of {', '.join(map(repr, BACKEND_NAMES))}")

@@ -53,12 +53,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import NEG, combine_items
+from pallas_kernels.names import MOSAIC_MIN_JAX_VERSION, mosaic_jax_reason, version_tuple
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
-# First jax whose Mosaic GPU API (plgpu.kernel(out_type=, scratch_types=)) and GPU
-# interpret mode this kernel was written and tested against.
-MIN_JAX_VERSION = (0, 12, 0)
+MIN_JAX_VERSION = MOSAIC_MIN_JAX_VERSION
 # Rows of the q tile: one warpgroup's wgmma M.
 Q_TILE_ROWS = 64
 # SMEM a program may allocate: an H200's per-block opt-in limit (232,448 B) less headroom
@@ -67,21 +66,20 @@ SMEM_BUDGET = 225_000
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+# GPU interpret mode runs the programs one after another on CPU: a step plan's decode
+# work list, sized for an H200 (~264 programs), is re-cut to one item per sequence plus
+# this many (same outputs, far fewer interpreted programs).
+INTERPRET_SPARE_ITEMS = 4
+
+
 def jax_version() -> tuple[int, ...]:
     """The installed jax version as a tuple of ints (e.g. (0, 12, 0))."""
-    parts = []
-    for p in jax.__version__.split(".")[:3]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
+    return version_tuple(jax.__version__)
 
 
 def mosaic_unavailable_reason() -> str | None:
     """None when this jax runs the Mosaic GPU kernels, else a one-line reason."""
-    if jax_version() < MIN_JAX_VERSION:
-        need = ".".join(map(str, MIN_JAX_VERSION))
-        return f"the Mosaic GPU kernels need jax >= {need}, found jax {jax.__version__}"
-    return None
+    return mosaic_jax_reason(jax.__version__)
 
 
 def plgpu_module():
@@ -466,7 +464,9 @@ def paged_attention_mosaic(
         num_splits: None: a work list of equal key chunks cut from the real lengths
             (plan.decode_items). An int: every sequence split evenly into that many parts.
         num_items: Length of the work list (num_splits=None); > num_seqs. None:
-            ``plan.num_decode_items`` (about two programs per SM of an H200).
+            ``plan.num_decode_items`` (about two programs per SM of an H200). With a
+            plan: None keeps its list (in GPU interpret mode: re-cut to num_seqs +
+            INTERPRET_SPARE_ITEMS items); an int re-cuts it to that many items.
         pages_per_step, num_stages: Pages per online-softmax step and SMEM ring depth;
             None: ``default_tiling``.
         interpret: False: compile for the GPU. True or a ``plgpu.InterpretGPUParams``
@@ -474,7 +474,7 @@ def paged_attention_mosaic(
         validate: Check block ids and lengths against the pool on device (debug; needs
             checkify, see ``pallas_kernels.checked``).
         plan: A step's precomputed work list (``step_attention``): its decode chunks are
-            used as they are (num_splits, num_items ignored).
+            used as they are (num_splits ignored; see num_items).
 
     Returns:
         The attention output, in q's dtype, one row per sequence.
@@ -512,6 +512,18 @@ def paged_attention_mosaic(
         # Chunk edges are multiples of plan.decode_block_k, not necessarily of this
         # kernel's block_k: a step that straddles an edge is masked like a partial page.
         items = plan.decode_items
+        if num_items is None and interpret not in (False, None):
+            num_items = num_seqs + INTERPRET_SPARE_ITEMS
+        if num_items is not None:
+            if num_items <= num_seqs:
+                raise ValueError(f"num_items={num_items} must be > num_seqs={num_seqs}")
+            items = plans.decode_items(
+                seq_lens,
+                plan.query_start_loc,
+                block_k=plan.decode_block_k,
+                num_items=num_items,
+                sliding_window=sliding_window,
+            )
         splits = 1
     elif num_splits is None:
         if num_items is None:

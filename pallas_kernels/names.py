@@ -2,8 +2,9 @@
 
 Configs and command lines validate against these tuples before any device code loads,
 and the host block manager hands out block ids around the null block, so this module
-holds only plain values: ``Literal`` types, their tuples, the null block's id and the
-decode work list's two sizes.
+holds only plain values: ``Literal`` types, their tuples, the null block's id, the
+decode work list's two sizes, and the jax version the Mosaic GPU kernels need (with the
+pure-string check of it, so a backend check loads no kernel module).
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 # "auto": Pallas kernels on GPU, the pure-JAX reference elsewhere (backend.py).
-AttentionBackend = Literal["auto", "pallas", "pallas_interpret", "reference"]
+# "mosaic_gpu": the Mosaic GPU attention kernels (Hopper or newer, jax >= 0.12);
+# "mosaic_gpu_interpret": the same in GPU interpret mode on CPU (tests).
+AttentionBackend = Literal[
+    "auto", "pallas", "pallas_interpret", "reference", "mosaic_gpu", "mosaic_gpu_interpret"
+]
 BACKEND_NAMES: tuple[str, ...] = get_args(AttentionBackend)
 
 # The fp8 KV-cache dtypes the kernels store and read (quantization.py maps them to dtypes).
@@ -27,7 +32,32 @@ NULL_BLOCK_ID = 0
 DECODE_TARGET_PROGRAMS = 264
 MIN_CHUNK_TOKENS = 512
 
+# First jax whose Mosaic GPU API (plgpu.kernel(out_type=, scratch_types=)) and GPU
+# interpret mode the Mosaic kernels were written and tested against.
+MOSAIC_MIN_JAX_VERSION = (0, 12, 0)
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """A version string's first three numeric parts, e.g. "0.12.0.1" -> (0, 12, 0)."""
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def mosaic_jax_reason(jax_version: str) -> str | None:
+    """None when this jax version runs the Mosaic GPU kernels, else a one-line reason."""
+    if version_tuple(jax_version) < MOSAIC_MIN_JAX_VERSION:
+        need = ".".join(map(str, MOSAIC_MIN_JAX_VERSION))
+        return f"the Mosaic GPU kernels need jax >= {need}, found jax {jax_version}"
+    return None
+
+
 __all__ = [
+    "MOSAIC_MIN_JAX_VERSION",
+    "mosaic_jax_reason",
+    "version_tuple",
     "DECODE_TARGET_PROGRAMS",
     "MIN_CHUNK_TOKENS",
     "NULL_BLOCK_ID",

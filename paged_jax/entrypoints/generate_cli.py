@@ -106,7 +106,10 @@ ENGINE_FLAGS = {
         "split weights and KV caches over the first N devices (docs/scale_out.md)"
     ),
     "preemption_mode": Flag("recompute (vLLM V1) or swap to host memory"),
-    "attention_backend": Flag("auto = Pallas on GPU, reference elsewhere; pallas needs a GPU"),
+    "attention_backend": Flag(
+        "auto = Pallas on GPU, reference elsewhere; pallas needs a GPU; mosaic_gpu needs "
+        "a Hopper GPU and jax >= 0.12 (mosaic_gpu_interpret: its CPU interpreter)"
+    ),
     "dtype": Flag("auto = bf16 on GPU, else f32"),
     "kv_cache_dtype": Flag("auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
     "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),

@@ -38,7 +38,14 @@ def test_every_public_name_resolves():
     assert set(pk.__all__) <= set(dir(pk))
     assert callable(pk.step_attention) and callable(pk.paged_attention)
     assert pk.reference.__name__ == "pallas_kernels.reference"
-    assert pk.BACKEND_NAMES == ("auto", "pallas", "pallas_interpret", "reference")
+    assert pk.BACKEND_NAMES == (
+        "auto",
+        "pallas",
+        "pallas_interpret",
+        "reference",
+        "mosaic_gpu",
+        "mosaic_gpu_interpret",
+    )
 
 
 def test_the_names_are_the_literal_types_and_the_fp8_table():
