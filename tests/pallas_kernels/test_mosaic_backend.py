@@ -89,12 +89,12 @@ def test_mosaic_interpret_ops_take_plans_and_use_reference_cache_ops():
 
 
 @needs_mosaic
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_a_step_through_the_mosaic_ops_equals_the_reference(decode_only):
-    if decode_only:
-        shape = dict(seq_lens=[5, 40, 17, 0], block_size=16)
-    else:  # prefill, a chunk over a cached prefix, two decodes, padding rows
-        shape = dict(seq_lens=[19, 53, 33, 16], q_lens=[19, 14, 1, 1], num_rows=40, block_size=16)
+def test_a_mixed_step_through_the_mosaic_ops_equals_the_reference():
+    # Prefill, a chunk over a cached prefix, two decodes, padding rows: the ragged kernel
+    # on the chunks and the decode kernel on the decode rows, one plan. (Decode-only
+    # steps: the engine test below.)
+    decode_only = False
+    shape = dict(seq_lens=[19, 53, 33, 16], q_lens=[19, 14, 1, 1], num_rows=40, block_size=16)
     case = make_case(11, num_kv_heads=2, group=2, head_dim=64, dtype="bfloat16", **shape)
     args = (
         case.q,

@@ -384,8 +384,10 @@ def _h200_target():
     return topo.devices[0]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "ragged"])
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn"])
+@pytest.mark.parametrize(
+    "kernel,cache_dtype",
+    [("decode", "bfloat16"), ("ragged", "bfloat16"), ("ragged", "float8_e4m3fn")],
+)
 def test_mosaic_kernels_lower_for_an_h200(kernel, cache_dtype):
     # GPU interpret mode accepts casts and index patterns the real lowering rejects
     # (fp8 -> bf16, i1 broadcasts, a TMA box at a row offset not known to be a multiple
