@@ -101,8 +101,9 @@ class PagedModel(Protocol):
                 block_tables i32[S, W] (0 = null block), as tuples; ``for_group(g)``
                 gives one group's pair. Then seq_lens i32[S], query_start_loc i32[S+1],
                 logits_indices i32[S].
-            attention_backend: "reference" | "pallas" | "pallas_interpret" | None
-                (the model's default); static under jit.
+            attention_backend: "reference" | "pallas" | "pallas_interpret" |
+                "mosaic_gpu" | "mosaic_gpu_interpret" | None (the model's default);
+                static under jit.
             kv_scales: per-layer (k_scale, v_scale) of an fp8 KV cache, handed to the
                 kernels' k_scale/v_scale; the engine passes it only when
                 EngineConfig.kv_cache_dtype is fp8, so a model that never serves an
