@@ -381,8 +381,8 @@ def traffic(case: Case) -> roofline.Traffic | None:
     """Bytes the case's kernel must move (None for whole steps)."""
     import numpy as np
 
-    cache = np.dtype(_np_dtype(case.dtype)).itemsize
-    q = np.dtype(_np_dtype(case.q_dtype)).itemsize
+    cache = np.dtype(np_dtype(case.dtype)).itemsize
+    q = np.dtype(np_dtype(case.q_dtype)).itemsize
     heads = dict(num_kv_heads=NUM_KV_HEADS, head_dim=case.head_dim)
     if case.kernel in ("decode", "ragged"):
         q_lens = list(case.prefill) + [1] * (case.batch - len(case.prefill))
@@ -405,7 +405,8 @@ def traffic(case: Case) -> roofline.Traffic | None:
     return None
 
 
-def _np_dtype(name: str):
+def np_dtype(name: str):
+    """The numpy dtype of a dtype name, bf16 and fp8 included."""
     import ml_dtypes  # jax's dependency; numpy itself has no bf16/fp8
     import numpy as np
 
@@ -757,7 +758,7 @@ class Target:
 
     def spec(self, shape, dtype="int32", sharding=None):
         return self.jax.ShapeDtypeStruct(
-            tuple(shape), _np_dtype(dtype), sharding=sharding or self.sharding
+            tuple(shape), np_dtype(dtype), sharding=sharding or self.sharding
         )
 
 
@@ -769,7 +770,7 @@ def kernel_pool_blocks(case: Case) -> int:
     from pallas_kernels.layout import max_offset_safe_blocks
 
     block_elems = NUM_KV_HEADS * case.block_size * case.head_dim
-    itemsize = _np_dtype(case.dtype).itemsize
+    itemsize = np_dtype(case.dtype).itemsize
     pages = -(-case.context // case.block_size)
     blocks = min(max(case.batch * pages, 64), POOL_BYTES // (2 * block_elems * itemsize)) + 1
     return max_offset_safe_blocks(block_elems, itemsize, blocks)

@@ -141,7 +141,7 @@ def test_known_expected_failures_are_probes_a_gpu_rejects_too():
         assert name.startswith("probe-") and case.block_k, "only deliberately oversized tiles"
         assert any(c.name == name for c in gcc.grid_ci())
         # the probe is certain to be over the limit: one K tile alone exceeds it
-        itemsize = gcc._np_dtype(case.dtype).itemsize
+        itemsize = gcc.np_dtype(case.dtype).itemsize
         assert case.block_k * case.head_dim * itemsize > gcc.SMEM_LIMIT_BYTES
     name = next(iter(probes))
     row = _row(smem_bytes=None, status="error: JaxRuntimeError: RESOURCE_EXHAUSTED: Shared memory")
@@ -358,5 +358,5 @@ def test_kernel_pools_stay_out_of_the_offset_wrap_range():
         if case.kernel in ("decode", "ragged", "write_kv", "copy_blocks"):
             blocks = gcc.kernel_pool_blocks(case)
             shape = (blocks, gcc.NUM_KV_HEADS, case.block_size, case.head_dim)
-            assert not offsets_wrap(shape, gcc._np_dtype(case.dtype).itemsize), case.name
+            assert not offsets_wrap(shape, gcc.np_dtype(case.dtype).itemsize), case.name
             assert blocks >= 64, case.name
