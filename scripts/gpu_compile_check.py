@@ -14,6 +14,15 @@ KNOWN_EXPECTED_FAILURES (tiles a GPU rejects too), which fail if they ever pass.
 Each row also says how the kernel's tiles reach shared memory (cp.async copies, the
 deepest wait_group, K/V buffers in flight in its main loop: `ptx_buffering`).
 
+Mosaic GPU cases (names "mosaic-...": pallas_kernels.mosaic_decode / mosaic_ragged)
+compile to a ``mosaic_gpu_v2`` custom call whose cubin is built only when the executable
+is loaded on a device, so deviceless there is no PTX or cubin to read. Their rows check
+what can be checked: lowering and XLA's compile succeed, the custom call is in the
+optimized HLO, the grid (as the kernel passes it to ``plgpu.kernel``), and the kernel's
+own shared-memory estimate (``mosaic_decode.smem_bytes`` of its default tiling) against
+the limit; registers and spills read "deferred to load time" (``deferred``), which is not
+a failure.
+
 Needs the CUDA plugin and the NVIDIA assemblers in the venv (scripts/gpu_compile_check.sh
 installs them) and JAX_PLATFORMS=cpu, so no CUDA client is ever created.
 
@@ -91,6 +100,15 @@ KERNEL_NAMES = (
     "paged_write_kv",
     "paged_copy_blocks",
 )
+MOSAIC_KERNEL_NAMES = {
+    "decode": "paged_decode_attention_mosaic",
+    "ragged": "ragged_paged_attention_mosaic",
+}
+MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
+MOSAIC_DEFERRED = (
+    "registers, spills: deferred to load time (no cubin deviceless); smem_bytes: the "
+    "kernel's own estimate (mosaic_decode.smem_bytes)"
+)
 NUM_KV_HEADS = 8
 POOL_BYTES = 100 * 2**30  # at most this much K + V per kernel case (an H200 holds 141 GB)
 
@@ -111,6 +129,8 @@ class Case:
         block_k: Attention: keys per step, when not the kernels' default (probes).
         decode_only: Step cases: the decode-only bucket (decode kernel), else mixed.
         tp: Step cases: tensor-parallel devices (compile-only H200s of one host).
+        backend: Attention cases: "triton" (pallas_kernels' Triton kernels) or "mosaic"
+            (the Mosaic GPU kernels).
     """
 
     name: str
@@ -129,6 +149,7 @@ class Case:
     model: str = ""
     decode_only: bool = False
     tp: int = 1
+    backend: str = "triton"
 
     @property
     def q_dtype(self) -> str:
@@ -168,6 +189,31 @@ def _case(kernel: str, **kw) -> Case:
     if c.block_k:
         parts.append(f"bk{c.block_k}")
     return dataclasses.replace(c, name="-".join(parts))
+
+
+def mosaic(kernel: str, **kw) -> Case:
+    """A Mosaic GPU attention case (named "mosaic-...")."""
+    c = _case(kernel, backend="mosaic", **kw)
+    return dataclasses.replace(c, name=f"mosaic-{c.name}")
+
+
+# The Mosaic kernels at the shapes they lower for (head_dim 64/128, block_size 16/32; the
+# default tiling at head_dim 80/96/256 fails Mosaic's layout inference, so those are left
+# out). The first is --grid ci's.
+def mosaic_cases() -> list[Case]:
+    """The Mosaic GPU decode and ragged kernels, bf16 and fp8, at Llama-3-8B heads."""
+    pf = dict(batch=64, context=4096, prefill=(256,))  # a 256-token chunk and 63 decodes
+    return [
+        mosaic("decode", batch=64, context=2048),
+        mosaic("decode", dtype="float8_e4m3fn", batch=64, context=2048),
+        mosaic("ragged", **pf),
+        mosaic("ragged", dtype="float8_e4m3fn", **pf),
+        mosaic("decode", head_dim=64, group=1, block_size=32, batch=64, context=2048),
+        mosaic("decode", group=8, batch=64, context=2048),
+        mosaic("decode", batch=8, context=32768, sliding_window=4096, soft_cap=50.0),
+        mosaic("decode", batch=8, context=32768, num_splits=4),
+        mosaic("ragged", sliding_window=4096, soft_cap=50.0, **pf),
+    ]
 
 
 def probe(kernel: str, **kw) -> Case:
@@ -216,7 +262,7 @@ def grid_full() -> list[Case]:
         cases.append(_case("write_kv", dtype=dtype, batch=8192))
         cases.append(_case("copy_blocks", dtype=dtype, batch=256))
     cases += steps()
-    return cases + probes()
+    return cases + mosaic_cases() + probes()
 
 
 def probes() -> list[Case]:
@@ -245,8 +291,8 @@ def steps() -> list[Case]:
 def grid_ci() -> list[Case]:
     """A few minutes' subset for CI: each dtype, head_dim and GQA group of the attention
     kernels at least once, both block sizes, window/cap/splits, each kernel at head_dim 80
-    and with an fp8 cache, the Llama decode and mixed steps, the TP=2 decode step and the
-    oversized probe."""
+    and with an fp8 cache, the Llama decode and mixed steps, the TP=2 decode step, one
+    Mosaic decode case and the oversized probe."""
     cases = [_case("decode", dtype=dt) for dt in DTYPES]
     cases += [
         _case("decode", head_dim=64, group=1, block_size=32),
@@ -269,7 +315,7 @@ def grid_ci() -> list[Case]:
         _case("copy_blocks", head_dim=80, batch=64),
     ]
     llama = [c for c in steps() if c.model == "llama8b" and (c.tp == 1 or c.decode_only)]
-    return cases + llama + probes()
+    return cases + llama + mosaic_cases()[:1] + probes()
 
 
 GRIDS = {"ci": grid_ci, "full": grid_full}
@@ -354,6 +400,7 @@ ROW_KEYS = (
     "kv_buffers_in_flight",
     "tp",
     "collectives",
+    "deferred",
 )
 
 
@@ -788,10 +835,16 @@ def kernel_fn_and_args(case: Case, t: Target):
         kw["num_splits"] = case.num_splits
     if case.block_k:
         kw["block_k"] = case.block_k
+    decode_fn, ragged_fn = pk.paged_attention, pk.ragged_paged_attention
+    if case.backend == "mosaic":
+        from pallas_kernels.mosaic_decode import paged_attention_mosaic
+        from pallas_kernels.mosaic_ragged import ragged_paged_attention_mosaic
+
+        decode_fn, ragged_fn = paged_attention_mosaic, ragged_paged_attention_mosaic
     if case.kernel == "decode":
         q = t.spec((case.batch, kv * case.group, d), case.q_dtype)
         args = (q, cache, cache, t.spec((case.batch, pages)), t.spec((case.batch,)))
-        return functools.partial(pk.paged_attention, **kw), args
+        return functools.partial(decode_fn, **kw), args
     if case.kernel == "ragged":
         q = t.spec((case.num_tokens, kv * case.group, d), case.q_dtype)
         tables, lens, qsl = (
@@ -799,7 +852,7 @@ def kernel_fn_and_args(case: Case, t: Target):
             t.spec((case.batch,)),
             t.spec((case.batch + 1,)),
         )
-        return functools.partial(pk.ragged_paged_attention, **kw), (
+        return functools.partial(ragged_fn, **kw), (
             q, cache, cache, tables, lens, qsl,
         )  # fmt: skip
     if case.kernel == "write_kv":
@@ -954,9 +1007,81 @@ def tensor_parallel_unsupported(tp: int) -> str | None:
     return None
 
 
+def mosaic_smem_bytes(case: Case) -> int:
+    """The Mosaic kernel's own SMEM estimate at its default tiling for the case."""
+    from pallas_kernels.mosaic_decode import default_tiling, smem_bytes
+
+    tiling = default_tiling(case.q_dtype, case.dtype, case.block_size, case.head_dim)
+    block_k = tiling["pages_per_step"] * case.block_size
+    return smem_bytes(case.q_dtype, case.dtype, case.head_dim, block_k, tiling["num_stages"])
+
+
+def compile_mosaic_case(case: Case, t: Target) -> list[dict]:
+    """The row of a Mosaic case: lowering + XLA compile, the ``mosaic_gpu_v2`` custom call
+    in the optimized HLO, the grid and warps given to ``plgpu.kernel`` and the kernel's
+    SMEM estimate. The cubin is built at load time on a device, so registers and spills
+    are None and ``deferred`` says why."""
+    from unittest import mock
+
+    import jax
+
+    from pallas_kernels.mosaic_decode import plgpu_module
+
+    row = base_row(case, MOSAIC_KERNEL_NAMES[case.kernel])
+    start = time.perf_counter()
+    plgpu = plgpu_module()
+    launches = []
+    real_kernel = plgpu.kernel
+
+    def recording_kernel(body, **kw):  # the launch shape the kernel asks for
+        launches.append(kw)
+        return real_kernel(body, **kw)
+
+    try:
+        fn, args = kernel_fn_and_args(case, t)
+        jitted = jax.jit(fn)
+        jax.eval_shape(jitted, *args)
+    except ValueError as e:
+        row["status"] = f"rejected: {e}"
+        row["verdict"] = verdict(row)
+        return [row]
+    with tempfile.TemporaryDirectory() as tmp:
+        dump = pathlib.Path(tmp)
+        try:
+            with mock.patch.object(plgpu, "kernel", recording_kernel), jax.default_device(t.device):
+                lowered = jitted.lower(*args)
+            lowered.compile(compiler_options={"xla_dump_to": str(dump)})
+        except Exception as e:  # noqa: BLE001 - a lowering/compile error is a recorded failure
+            row["status"] = f"error: {type(e).__name__}: {str(e)[:400]}"
+            row["verdict"] = verdict(row)
+            return [row]
+        hlo = "".join(p.read_text() for p in dump.glob("*gpu_after_optimizations.txt"))
+    row["compile_s"] = round(time.perf_counter() - start, 2)
+    if f'custom_call_target="{MOSAIC_CUSTOM_CALL}"' not in hlo or not launches:
+        row["status"] = f"error: no {MOSAIC_CUSTOM_CALL} custom call in the compiled module"
+        row["verdict"] = verdict(row)
+        return [row]
+    launch = launches[-1]
+    tr = traffic(case)
+    row.update(
+        status="ok",
+        grid=list(launch["grid"]),
+        warps=4 * (launch.get("num_threads") or 1),  # warpgroups of 128 threads
+        smem_bytes=mosaic_smem_bytes(case),
+        roofline_bytes=tr.total_bytes,
+        roofline_us=round(tr.seconds() * 1e6, 3),
+        deferred=MOSAIC_DEFERRED,
+    )
+    row["verdict"] = verdict(row)
+    return [row]
+
+
 def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
     """Rows for one case: one per Pallas kernel in its compiled module."""
     import jax
+
+    if case.backend == "mosaic":
+        return compile_mosaic_case(case, t)
 
     is_step = case.kernel == "step"
     first_kernel = {
@@ -1146,12 +1271,28 @@ def compare_table(before: list[dict], after: list[dict], pattern: str = "") -> s
     return "\n".join(lines)
 
 
+def merge_rows(old: list[dict], new: list[dict], order: list[str]) -> list[dict]:
+    """`old` with the rows of `new`'s cases replaced by `new`'s, in grid `order` (cases
+    not in the grid last); every row gets all ROW_KEYS (absent ones None)."""
+    fresh = {r["case"] for r in new}
+    rows = [r for r in old if r["case"] not in fresh] + list(new)
+    rank = {name: i for i, name in enumerate(order)}
+    rows.sort(key=lambda r: rank.get(r["case"], len(rank)))  # stable: kernels keep order
+    return [dict(dict.fromkeys(ROW_KEYS), **r) for r in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grid", choices=sorted(GRIDS), default="ci")
     parser.add_argument("--output", default=None, help=f"JSON (default: full -> {FULL_OUTPUT})")
     parser.add_argument("--only", default=None, help="regex: compile only matching case names")
     parser.add_argument("--list", action="store_true", help="print the grid; compile nothing")
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only the compiled cases' rows in the existing --output report (the "
+        "others are kept as they are, not recompiled)",
+    )
     parser.add_argument(
         "--table", metavar="JSON", help="print a report's rows (--only filters) as markdown"
     )
@@ -1205,7 +1346,9 @@ def main(argv: list[str] | None = None) -> int:
         rule=(
             "fail on a compile error, a validation rejection, a spill in any kernel (f32 "
             "included), or dynamic shared memory over the limit; known_expected_failures "
-            "(oversized probes) must fail"
+            "(oversized probes) must fail; Mosaic rows: a lowering/compile error, no "
+            "mosaic_gpu_v2 call, or the kernel's SMEM estimate over the limit fails, the "
+            "cubin (registers, spills) being deferred to load time does not"
         ),
         known_expected_failures=KNOWN_EXPECTED_FAILURES,
         num_kv_heads=NUM_KV_HEADS,
@@ -1217,7 +1360,25 @@ def main(argv: list[str] | None = None) -> int:
         for row in compile_case(case, target, tools):
             rows.append(row)
             print_row(row)
-        write_report(output, dict(header, wall_s=round(time.perf_counter() - start, 1)), rows)
+        if not args.merge:
+            write_report(output, dict(header, wall_s=round(time.perf_counter() - start, 1)), rows)
+    if args.merge:
+        old = json.loads(output.read_text()) if output.exists() else dict(header, rows=[])
+        run = dict(
+            command=header["command"] + " --merge",
+            kernels_revision=header["kernels_revision"],
+            cases=len(cases),
+            wall_s=round(time.perf_counter() - start, 1),
+        )
+        old_header = {k: v for k, v in old.items() if k not in ("failures", "rows")}
+        rows = merge_rows(old["rows"], rows, [c.name for c in GRIDS[args.grid]()])
+        merged = dict(
+            old_header,
+            rule=header["rule"],
+            known_expected_failures=KNOWN_EXPECTED_FAILURES,
+            merged_runs=[*old_header.get("merged_runs", []), run],
+        )
+        write_report(output, merged, rows)
     failed = failures(rows)
     print(f"gpu_compile_check: {len(cases)} cases, {len(rows)} rows in "
           f"{time.perf_counter() - start:.0f} s; wrote {output}")  # fmt: skip

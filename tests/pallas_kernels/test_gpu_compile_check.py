@@ -360,3 +360,95 @@ def test_kernel_pools_stay_out_of_the_offset_wrap_range():
             shape = (blocks, gcc.NUM_KV_HEADS, case.block_size, case.head_dim)
             assert not offsets_wrap(shape, gcc.np_dtype(case.dtype).itemsize), case.name
             assert blocks >= 64, case.name
+
+
+def test_grids_hold_the_mosaic_kernels():
+    mosaic = {c.name: c for c in gcc.grid_full() if c.backend == "mosaic"}
+    assert {
+        "mosaic-decode-bf16-d128-g4-bs16-b64x2k",
+        "mosaic-decode-e4m3-d128-g4-bs16-b64x2k",
+        "mosaic-ragged-bf16-d128-g4-bs16-b64x4k-pf256",
+        "mosaic-ragged-e4m3-d128-g4-bs16-b64x4k-pf256",
+    } <= set(mosaic)
+    assert all(name.startswith("mosaic-") for name in mosaic)
+    assert {c.kernel for c in mosaic.values()} == {"decode", "ragged"}
+    # head_dim 80/96/256 fail Mosaic's layout inference at the default tiling: left out
+    assert {c.head_dim for c in mosaic.values()} <= {64, 128}
+    ci = [c for c in gcc.grid_ci() if c.backend == "mosaic"]
+    assert len(ci) == 1 and ci[0].name == "mosaic-decode-bf16-d128-g4-bs16-b64x2k"
+
+
+def _mosaic_row(**kw):
+    case = gcc.mosaic("decode", batch=64, context=2048)
+    row = gcc.base_row(case, "paged_decode_attention_mosaic")
+    row.update(status="ok", grid=[97, 8, 1], warps=4, smem_bytes=188672)
+    row.update(deferred=gcc.MOSAIC_DEFERRED, **kw)
+    return row
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({}, "pass"),  # no registers or spills: the cubin is built at load time
+        (dict(smem_bytes=gcc.SMEM_LIMIT_BYTES + 1), "fail"),
+        (dict(status="error: MosaicError: failed to infer layout"), "fail"),
+        (dict(status="error: no mosaic_gpu_v2 custom call in the compiled module"), "fail"),
+    ],
+)
+def test_failure_rule_of_mosaic_rows(kw, expected):
+    row = _mosaic_row(**kw)
+    assert row["regs_ptxas"] is None and row["spill_bytes_ptxas"] is None
+    assert gcc.verdict(row).split(":")[0] == expected
+
+
+def test_mosaic_smem_is_the_kernels_own_estimate():
+    pytest.importorskip("jax")
+    from pallas_kernels.mosaic_decode import SMEM_BUDGET
+
+    bf16 = gcc.mosaic_smem_bytes(gcc.mosaic("decode", batch=64, context=2048))
+    fp8 = gcc.mosaic_smem_bytes(gcc.mosaic("decode", dtype="float8_e4m3fn", batch=64))
+    assert 0 < fp8 < bf16 <= SMEM_BUDGET < gcc.SMEM_LIMIT_BYTES
+
+
+def test_merge_replaces_only_the_compiled_cases():
+    a, b, c = (dict(_row(), case=n, kernel="k") for n in ("a", "b", "c"))
+    del a["deferred"]  # a row of a report written before the key existed
+    new_b = dict(b, smem_bytes=1)
+    merged = gcc.merge_rows([a, b, c], [new_b, dict(c, case="d")], ["a", "d", "b", "c"])
+    assert [r["case"] for r in merged] == ["a", "d", "b", "c"]
+    assert merged[2]["smem_bytes"] == 1 and merged[0] == dict(a, deferred=None)
+    assert all(tuple(r) == gcc.ROW_KEYS for r in merged)
+
+
+def _mosaic_skip_reason() -> str | None:
+    tools = gcc.find_toolchain()
+    if isinstance(tools, str):
+        return f"no CUDA toolchain: {tools}"
+    import jax
+
+    from pallas_kernels.names import mosaic_jax_reason
+
+    return mosaic_jax_reason(jax.__version__)
+
+
+@pytest.mark.skipif(_mosaic_skip_reason() is not None, reason=str(_mosaic_skip_reason()))
+def test_mosaic_case_compiles_for_an_h200_and_merges(tmp_path):
+    out = tmp_path / "rows.json"
+    kept = dict(_row(), case="decode-bf16-d128-g4-bs16-b64x8k", verdict="pass")
+    out.write_text(json.dumps(dict(target="x", rows=[kept], failures=[])))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(SCRIPT), "--grid", "ci", "--only", "^mosaic-", "--merge",
+           "--output", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["target"] == "x" and report["merged_runs"][0]["cases"] == 1
+    first, row = report["rows"]
+    assert first == dict(kept, deferred=None), "the other rows are kept, not recompiled"
+    assert row["case"] == "mosaic-decode-bf16-d128-g4-bs16-b64x2k"
+    assert row["kernel"] == "paged_decode_attention_mosaic" and row["status"] == "ok"
+    # a work list of key chunks: at least one program per sequence, one per KV head
+    assert row["grid"][0] > 64 and row["grid"][1:] == [8, 1] and row["warps"] == 4
+    assert row["smem_bytes"] == gcc.mosaic_smem_bytes(gcc.mosaic("decode", batch=64, context=2048))
+    assert row["regs_ptxas"] is None and "deferred to load time" in row["deferred"]
+    assert row["verdict"] == "pass" and report["failures"] == []
