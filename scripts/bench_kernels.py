@@ -2,9 +2,11 @@
 
 On a GPU: decode at batch {256, 64, 1} x context {8k, 2k}, biggest cell first (so a time
 limit cuts the small cells), Llama-3-8B-like heads (32 q / 8 kv, head_dim 128, bf16,
-block 16). Each cell times three implementations side by side in one process:
+block 16). Each cell times four implementations side by side in one process:
 
-* ``pallas``: ``pallas_kernels.paged_attention`` (this repo's decode kernel);
+* ``pallas``: ``pallas_kernels.paged_attention`` (this repo's decode kernel, Triton);
+* ``mosaic``: ``get_attention_ops("mosaic_gpu").paged_attention`` (this repo's Mosaic GPU
+  decode kernel), skipped with the reason when it cannot run (jax < 0.12, pre-Hopper);
 * ``jax_pallas``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (JAX's Triton op,
   head-major pages, q pre-scaled since it applies no softmax scale), when importable;
 * ``xla_gather``: ``pallas_kernels.reference.paged_attention`` (plain XLA: gather the
@@ -13,13 +15,14 @@ block 16). Each cell times three implementations side by side in one process:
 Per implementation: median (min, max) microseconds per call, achieved bytes/s, and the
 fraction of 4.8 TB/s (``pallas_kernels.roofline``: every byte the call must move, at
 peak); per cell: the roofline time, the fraction the kernel's design predicts
-(``roofline.predicted_decode_fraction``) and our speedup over the other two. A second cell
-times a step's decode rows on its decode-only path, its mixed path and the ragged kernel
-alone, per token (target: the mixed path within 1.3x of decode-only). Every output is
-compared with the XLA reference (relative L2 error); the script exits 1 when one
-disagrees or our kernel fails. Timing: one jitted ``fori_loop`` of n dependent calls
-(n traced, sized so a loop runs ~30 ms; n = 1 also gives the output to compare), REPS
-timed loops after a warm-up. The pool holds only the blocks the biggest cell needs,
+(``roofline.predicted_decode_fraction``) and our Triton kernel's speedup over the other
+three (``speedup_vs_mosaic``, ...). A second cell times a step's decode rows on its
+decode-only path, its mixed path and the ragged kernel alone, per token (target: the mixed
+path within 1.3x of decode-only). Every output is compared with the XLA reference
+(relative L2 error); the script exits 1 when one disagrees or one of our kernels (Triton,
+Mosaic) fails. Timing: one jitted ``fori_loop`` of n dependent calls (n traced, sized so
+a loop runs ~30 ms; n = 1 also gives the output to compare), REPS timed loops after a
+warm-up. The pool holds only the blocks the biggest cell needs,
 capped under 4 GiB per array as a real pool is (int32 element offsets); past the cap a
 few blocks are shared between sequences, and the JSON says how many. The JSON
 (--output) is rewritten after every implementation. ``--dry-run`` prints the cell order
@@ -45,7 +48,8 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE_NAME = "bfloat16"
 BATCHES = (256, 64, 1)  # biggest first
 CONTEXTS = (8192, 2048)
-IMPLS = ("pallas", "jax_pallas", "xla_gather")
+IMPLS = ("pallas", "mosaic", "jax_pallas", "xla_gather")
+MOSAIC_BACKEND = "mosaic_gpu"  # the ops the "mosaic" impl runs (tests: "mosaic_gpu_interpret")
 H200_PEAK_GBPS = roofline.H200_BYTES_PER_S / 1e9
 PEAK_GBPS = {
     "H200": H200_PEAK_GBPS,
@@ -149,6 +153,17 @@ def jax_paged_attention():
         return None, f"{type(e).__name__}: {str(e)[:200]}"
 
 
+def mosaic_paged_attention():
+    """(the Mosaic GPU decode op of MOSAIC_BACKEND, None) or (None, why it cannot run here)."""
+    import pallas_kernels as pk
+    from pallas_kernels.backend import mosaic_unavailable
+
+    why = mosaic_unavailable(MOSAIC_BACKEND)
+    if why is not None:
+        return None, why
+    return pk.get_attention_ops(MOSAIC_BACKEND).paged_attention, None
+
+
 def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i32[S])
     """Block tables over a random permutation of the pool's blocks (scattered pages).
 
@@ -201,6 +216,7 @@ def run_gpu(args) -> int:
     peak = args.peak_gbps or peak_gbps(device.device_kind) or H200_PEAK_GBPS
     dtype = jnp.dtype(DTYPE_NAME)
     theirs, theirs_missing = jax_paged_attention()
+    mosaic, mosaic_missing = mosaic_paged_attention()
     num_blocks, shared = pool_blocks(dtype.itemsize)
     report = Report(
         pathlib.Path(args.output),
@@ -210,6 +226,9 @@ def run_gpu(args) -> int:
             jax_version=jax.__version__,
             jax_pallas_available=theirs is not None,
             jax_pallas_missing=theirs_missing,
+            mosaic_backend=MOSAIC_BACKEND,
+            mosaic_available=mosaic is not None,
+            mosaic_missing=mosaic_missing,
             shapes=dict(
                 num_q_heads=NUM_Q_HEADS,
                 num_kv_heads=NUM_KV_HEADS,
@@ -266,6 +285,10 @@ def run_gpu(args) -> int:
                 q, k_cache, v_cache, t, s, scale=scale
             ),
         }
+        if mosaic is not None:
+            fns["mosaic"] = lambda q, t=tables, s=lens: mosaic(
+                q, k_cache, v_cache, t, s, scale=scale
+            )
         if theirs_cache is not None:
             fns["jax_pallas"] = lambda q, t=tables, s=lens: theirs(q * scale, *theirs_cache, t, s)
         model = roofline.predicted_decode_fraction(
@@ -290,12 +313,14 @@ def run_gpu(args) -> int:
         report.add(row)
         outputs = {}
         # The reference first: every other output is compared with it.
-        for impl in ("xla_gather", "pallas", "jax_pallas"):
+        for impl in ("xla_gather", "pallas", "mosaic", "jax_pallas"):
             res: dict = {}
             row["impls"][impl] = res
             if impl not in fns:
                 res["skipped"] = (
-                    f"jax.experimental.pallas.ops.gpu.paged_attention: {theirs_missing}"
+                    f"{MOSAIC_BACKEND}: {mosaic_missing}"
+                    if impl == "mosaic"
+                    else f"jax.experimental.pallas.ops.gpu.paged_attention: {theirs_missing}"
                 )
             elif time.monotonic() > deadline:
                 res["skipped"] = f"--time-limit={args.time_limit:.0f}s reached"
@@ -314,7 +339,7 @@ def run_gpu(args) -> int:
                     )
                 except Exception as e:  # noqa: BLE001 - keep measuring the other cells
                     res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    failed |= impl == "pallas"
+                    failed |= impl in ("pallas", "mosaic")  # ours; JAX's may be absent
             if impl in outputs and impl != "xla_gather" and "xla_gather" in outputs:
                 res["rel_err_vs_xla_gather"] = err = rel_err(outputs[impl], outputs["xla_gather"])
                 res["agrees"] = err <= MAX_REL_ERR
@@ -322,7 +347,7 @@ def run_gpu(args) -> int:
             report.flush()
             print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)}", flush=True)
         ours = row["impls"]["pallas"].get("us")
-        for other in ("jax_pallas", "xla_gather"):
+        for other in ("mosaic", "jax_pallas", "xla_gather"):
             theirs_us = row["impls"][other].get("us")
             if ours and theirs_us:
                 row[f"speedup_vs_{other}"] = theirs_us / ours

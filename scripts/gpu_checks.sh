@@ -12,7 +12,8 @@
 #   autotune       scripts/autotune_kernels.py --write: the best tiling per shape key goes
 #                  into pallas_kernels/tuned_configs.json (where the kernels read it), and
 #                  the table is copied to $OUT: commit it from there after the run
-#   bench_kernels  decode bandwidth vs the roofline, JAX's Pallas paged_attention and XLA
+#   bench_kernels  decode bandwidth vs the roofline: our Triton and Mosaic kernels, JAX's
+#                  Pallas paged_attention and XLA
 #   bench_engine   one engine cell (paged engine, bf16, Pallas kernels)
 #   fp8_decode     decode on bf16 vs fp8 caches
 #   compile_check  the deviceless H200 compile (5 cases) if its toolchain imports, else
@@ -37,7 +38,7 @@ CELLS=(
   "setup|40|-|import check, nvidia-smi, python/jax versions and devices"
   "gpu_tests|100|gpu_tests.json|pytest -m gpu on the files holding gpu tests (JUnit XML -> JSON)"
   "autotune|140|autotune.json,tuned_configs.json|scripts/autotune_kernels.py --write (table copied to \$OUT)"
-  "bench_kernels|90|bench_kernels.json|scripts/bench_kernels.py: 6 decode cells x 3 implementations, biggest first"
+  "bench_kernels|90|bench_kernels.json|scripts/bench_kernels.py: 6 decode cells x 4 implementations, biggest first"
   "bench_engine|60|bench_engine.json|scripts/bench_engine.py --systems paged, one cell"
   "fp8_decode|25|fp8_decode.json|scripts/bench_fp8_decode.py: decode on bf16 vs fp8 caches"
   "compile_check|25|gpu_compile.json|scripts/gpu_compile_check.py, 5 cases, if its toolchain imports"

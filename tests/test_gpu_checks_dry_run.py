@@ -63,7 +63,7 @@ def test_bench_kernels_runs_the_biggest_cells_first_on_a_pool_under_4_gib():
     assert order == sorted(order, key=lambda bc: (-bc[0], -bc[1]))
     assert order[0] == (256, 8192) and order[-1] == (1, 2048)
     assert set(order) == {(b, c) for b in (1, 64, 256) for c in (2048, 8192)}
-    assert {impl for *_, impl in cells} == {"pallas", "jax_pallas", "xla_gather"}
+    assert {impl for *_, impl in cells} == {"pallas", "mosaic", "jax_pallas", "xla_gather"}
     pool = re.search(r"pool: (\d+) blocks, (\d+) B per array.*, (\d+) blocks shared", out)
     blocks, nbytes, shared = map(int, pool.groups())
     assert nbytes == blocks * 8 * 16 * 128 * 2 < 2**32  # int32 offsets address every element
@@ -133,8 +133,11 @@ def test_cells_run_on_and_the_summary_lists_each(tmp_path):
     assert table["format"] == 1
 
 
-def tiny_gpu_path(monkeypatch, tmp_path, attend=None):
-    """bench_kernels' GPU path on CPU: tiny shapes, both Pallas kernels in interpret mode."""
+def tiny_gpu_path(monkeypatch, tmp_path, attend=None, mosaic=None):
+    """bench_kernels' GPU path on CPU: tiny shapes, the Pallas kernels in interpret mode.
+
+    The "mosaic" impl runs "mosaic_gpu_interpret" where jax runs it (else it is skipped,
+    saying why), or `mosaic` (a stand-in decode op) when given."""
     import functools
     import types
 
@@ -150,6 +153,7 @@ def tiny_gpu_path(monkeypatch, tmp_path, attend=None):
         REPS=1,
         MIXED_CELL=(2, 40),
         STEP_BACKEND="pallas_interpret",
+        MOSAIC_BACKEND="mosaic_gpu_interpret",
     ).items():
         monkeypatch.setattr(bench_kernels, name, value)
     monkeypatch.setattr(bench_kernels, "LOOP_SECONDS", 0.0)
@@ -162,6 +166,8 @@ def tiny_gpu_path(monkeypatch, tmp_path, attend=None):
         "jax_paged_attention",
         lambda: (functools.partial(theirs, interpret=True), None),
     )
+    if mosaic is not None:
+        monkeypatch.setattr(bench_kernels, "mosaic_paged_attention", lambda: (mosaic, None))
     path = tmp_path / "bench.json"
     args = types.SimpleNamespace(output=str(path), peak_gbps=None, time_limit=600.0)
     return bench_kernels.run_gpu(args), json.loads(path.read_text())
@@ -179,7 +185,13 @@ def test_bench_gpu_path_compares_all_three_side_by_side(monkeypatch, tmp_path):
             step_rows["impls"][impl]["us"] / step_rows["impls"]["step_decode_only"]["us"]
         )
     assert 0 < row["predicted_fraction_of_peak"] <= 1
-    assert list(row["impls"]) == ["xla_gather", "pallas", "jax_pallas"]
+    assert list(row["impls"]) == ["xla_gather", "pallas", "mosaic", "jax_pallas"]
+    mosaic = row["impls"]["mosaic"]
+    if report["mosaic_available"]:
+        assert mosaic["agrees"] and "speedup_vs_mosaic" in row
+    else:  # jax < 0.12: skipped with the reason, not a failure
+        assert mosaic["skipped"] == f"mosaic_gpu_interpret: {report['mosaic_missing']}"
+        assert "jax >=" in mosaic["skipped"] and "speedup_vs_mosaic" not in row
     for impl in ("pallas", "jax_pallas"):
         res = row["impls"][impl]
         assert res["agrees"] and res["rel_err_vs_xla_gather"] < 2e-2
@@ -195,3 +207,16 @@ def test_bench_exits_nonzero_when_an_output_disagrees(monkeypatch, tmp_path):
     rc, report = tiny_gpu_path(monkeypatch, tmp_path, attend=lambda q, *a, **kw: q * 0)
     assert rc == 1
     assert report["results"][0]["impls"]["pallas"]["agrees"] is False
+
+
+def test_bench_compares_the_mosaic_impl_like_the_others(monkeypatch, tmp_path):
+    from pallas_kernels import reference
+
+    rc, report = tiny_gpu_path(monkeypatch, tmp_path, mosaic=reference.paged_attention)
+    row = report["results"][0]
+    assert rc == 0 and report["mosaic_available"] and row["impls"]["mosaic"]["agrees"]
+    assert row["speedup_vs_mosaic"] == pytest.approx(
+        row["impls"]["mosaic"]["us"] / row["impls"]["pallas"]["us"]
+    )
+    rc, report = tiny_gpu_path(monkeypatch, tmp_path, mosaic=lambda q, *a, **kw: q * 0)
+    assert rc == 1 and report["results"][0]["impls"]["mosaic"]["agrees"] is False
