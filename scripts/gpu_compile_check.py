@@ -1219,6 +1219,8 @@ def markdown_table(rows: list[dict], pattern: str = "") -> str:
         grid = "x".join(map(str, r["grid"])) if r["grid"] else "-"
         regs = f"{r['regs_nvjitlink']} / {r['regs_ptxas']}" if r["regs_ptxas"] else "-"
         spill = f"{r['spill_bytes_nvjitlink'] or 0} / {r['spill_bytes_ptxas'] or 0}"
+        if r.get("deferred"):  # Mosaic: no cubin deviceless
+            regs = spill = "deferred to load time"
         smem = f"{r['smem_bytes']:,}" if r["smem_bytes"] is not None else "-"
         us = f"{r['roofline_us']:.1f}" if r["roofline_us"] is not None else "-"
         lines.append(

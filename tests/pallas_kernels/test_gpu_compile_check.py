@@ -452,3 +452,13 @@ def test_mosaic_case_compiles_for_an_h200_and_merges(tmp_path):
     assert row["smem_bytes"] == gcc.mosaic_smem_bytes(gcc.mosaic("decode", batch=64, context=2048))
     assert row["regs_ptxas"] is None and "deferred to load time" in row["deferred"]
     assert row["verdict"] == "pass" and report["failures"] == []
+
+
+def test_markdown_table_of_a_mosaic_row():
+    row = _mosaic_row()
+    row["verdict"] = gcc.verdict(row)
+    line = gcc.markdown_table([row]).splitlines()[2]
+    assert line.startswith(
+        "| mosaic-decode-bf16-d128-g4-bs16-b64x2k | paged_decode_attention_mosaic "
+    )
+    assert "| 97x8x1 | 4 | deferred to load time | deferred to load time | 188,672 |" in line
