@@ -204,19 +204,13 @@ def test_bench_gpu_path_compares_all_three_side_by_side(monkeypatch, tmp_path):
 
 
 def test_bench_exits_nonzero_when_an_output_disagrees(monkeypatch, tmp_path):
-    rc, report = tiny_gpu_path(monkeypatch, tmp_path, attend=lambda q, *a, **kw: q * 0)
+    wrong = lambda q, *a, **kw: q * 0  # noqa: E731
+    # ours on Triton and a stand-in Mosaic op, both wrong: each compared with xla_gather
+    rc, report = tiny_gpu_path(monkeypatch, tmp_path, attend=wrong, mosaic=wrong)
     assert rc == 1
     assert report["results"][0]["impls"]["pallas"]["agrees"] is False
-
-
-def test_bench_compares_the_mosaic_impl_like_the_others(monkeypatch, tmp_path):
-    from pallas_kernels import reference
-
-    rc, report = tiny_gpu_path(monkeypatch, tmp_path, mosaic=reference.paged_attention)
     row = report["results"][0]
-    assert rc == 0 and report["mosaic_available"] and row["impls"]["mosaic"]["agrees"]
+    assert report["mosaic_available"] and row["impls"]["mosaic"]["agrees"] is False
     assert row["speedup_vs_mosaic"] == pytest.approx(
         row["impls"]["mosaic"]["us"] / row["impls"]["pallas"]["us"]
     )
-    rc, report = tiny_gpu_path(monkeypatch, tmp_path, mosaic=lambda q, *a, **kw: q * 0)
-    assert rc == 1 and report["results"][0]["impls"]["mosaic"]["agrees"] is False
