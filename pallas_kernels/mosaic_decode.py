@@ -64,6 +64,8 @@ Q_TILE_ROWS = 64
 # for Mosaic's own barriers and alignment.
 SMEM_BUDGET = 225_000
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Head dims whose tiles lower for an H200 (scripts/gpu_compile_check.py's mosaic cases).
+SUPPORTED_HEAD_DIMS = (64, 128)
 
 
 # GPU interpret mode runs the programs one after another on CPU: a step plan's decode
@@ -326,8 +328,14 @@ def check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
         raise ValueError(f"q heads per KV head={group} must be <= {Q_TILE_ROWS} (one wgmma tile)")
     if block_size % 8:
         raise ValueError(f"block_size={block_size} must be a multiple of 8 (TMA row tiles)")
-    if head_dim % 16:
-        raise ValueError(f"head_dim={head_dim} must be a multiple of 16 (wgmma K)")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        # 80 / 96 (rows that do not fill the 128-byte swizzle) and 256 at a tiling that
+        # fits shared memory fail Mosaic GPU's layout inference when lowered for a GPU
+        # (the interpreter would run them): refuse them here, at trace time, by name.
+        raise ValueError(
+            f"head_dim={head_dim} must be one of {SUPPORTED_HEAD_DIMS} for the Mosaic GPU "
+            "kernels (other head dims do not lower yet); use attention_backend='pallas'"
+        )
     block_k = pages_per_step * block_size
     if pages_per_step < 1 or block_k % 8 or block_k > 256:
         raise ValueError(

@@ -190,6 +190,8 @@ def test_race_detector_reports_a_read_before_its_barrier():
         ("dtype", dict(dtype="float32"), "bfloat16 or float16"),
         ("group", dict(group=128), "<= 64"),
         ("block_size", dict(block_size=4), "multiple of 8"),
+        ("head_dim", dict(head_dim=80), "head_dim=80 must be one of"),
+        ("head_dim", dict(head_dim=256), "head_dim=256 must be one of"),
     ],
 )
 def test_mosaic_decode_rejects_unsupported_shapes(field, kwargs, match):
