@@ -329,9 +329,9 @@ def check_shapes(q, k_cache, pages_per_step: int, num_stages: int) -> None:
     if block_size % 8:
         raise ValueError(f"block_size={block_size} must be a multiple of 8 (TMA row tiles)")
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        # 80 / 96 (rows that do not fill the 128-byte swizzle) and 256 at a tiling that
-        # fits shared memory fail Mosaic GPU's layout inference when lowered for a GPU
-        # (the interpreter would run them): refuse them here, at trace time, by name.
+        # 16, 32, 80, 96 and 256 (at a tiling that fits shared memory) fail Mosaic GPU's
+        # layout inference when lowered for an H200 (deviceless), although the
+        # interpreter runs them: refuse them here, at trace time, by name.
         raise ValueError(
             f"head_dim={head_dim} must be one of {SUPPORTED_HEAD_DIMS} for the Mosaic GPU "
             "kernels (other head dims do not lower yet); use attention_backend='pallas'"
