@@ -27,9 +27,12 @@ capped under 4 GiB per array as a real pool is (int32 element offsets); past the
 few blocks are shared between sequences, and the JSON says how many. The JSON
 (--output) is rewritten after every implementation. ``--dry-run`` prints the cell order
 and its time budget without touching a device. On CPU (without --dry-run) it says it
-needs a GPU and runs a kernel-vs-reference smoke instead.
+needs a GPU and runs a kernel-vs-reference smoke instead. ``--cpu-attention`` times the
+pure-JAX reference decode attention (the engine's path without a GPU) on the CPU backend
+at the step profile's shapes, as effective GB/s beside this machine's numpy read bandwidth.
 
     python scripts/bench_kernels.py --output gpu_results/bench_kernels.json
+    python scripts/bench_kernels.py --cpu-attention --output docs/cpu_attention.json
     python scripts/bench_kernels.py --dry-run
 """
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -493,6 +497,143 @@ def run_cpu_smoke(args) -> int:
     return 0 if ok else 1
 
 
+# CPU attention cells: (name, num_seqs, (context low, high) drawn uniformly, or one value,
+# num_q_heads, num_kv_heads, head_dim). The first matches scripts/bench_step_profile.py's
+# decode-attention timing (the bench Llama's heads, 128 sequences, contexts 150-450).
+CPU_ATTENTION_CELLS = (
+    ("decode_128x300", 128, (150, 450), 8, 4, 32),
+    ("decode_32x2k", 32, (2048, 2048), 8, 4, 32),
+)
+CPU_TINY_CELLS = (("tiny", 4, (20, 60), 4, 2, 16),)
+CPU_ATTENTION_DTYPES = ("float32", "bfloat16")
+CPU_POOL_BLOCKS = 4096  # as bench_step_profile's pool
+HOST_BANDWIDTH_BYTES = 256 << 20
+
+
+def host_bandwidth(nbytes: int = HOST_BANDWIDTH_BYTES, repeats: int = 5) -> dict:
+    """This machine's memory bandwidth from numpy on one thread: a sum (reads ``nbytes``)
+    and a copy (reads and writes ``nbytes``, counted as 2 * nbytes), best of ``repeats``."""
+    import numpy as np
+
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    sums, copies = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        sums.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        copies.append(time.perf_counter() - t0)
+    return dict(
+        array_bytes=nbytes,
+        method="numpy float32, one thread, best of repeats",
+        repeats=repeats,
+        sum_read_gb_per_s=round(nbytes / min(sums) / 1e9, 2),
+        copy_read_plus_write_gb_per_s=round(2 * nbytes / min(copies) / 1e9, 2),
+    )
+
+
+def run_cpu_attention(args) -> int:
+    """Times ``reference.paged_attention`` on the CPU backend: effective GB/s (the K/V
+    bytes the call must read, ``roofline.decode_traffic``, over the median time) beside
+    this machine's measured read bandwidth, per cell and dtype. Writes --output."""
+    import os
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+    from pallas_kernels import reference
+
+    cpu = jax.devices("cpu")[0]
+    cells = CPU_TINY_CELLS if args.cpu_tiny else CPU_ATTENTION_CELLS
+    report = Report(
+        pathlib.Path(args.output),
+        dict(
+            command="python scripts/bench_kernels.py " + " ".join(args.argv),
+            device="cpu",
+            jax_version=jax.__version__,
+            machine=dict(
+                cpu_count=os.cpu_count(), loadavg_1min_at_start=round(os.getloadavg()[0], 2)
+            ),
+            host_bandwidth=host_bandwidth(
+                HOST_BANDWIDTH_BYTES >> 5 if args.cpu_tiny else HOST_BANDWIDTH_BYTES
+            ),
+            impl="pallas_kernels.reference.paged_attention (jitted, one call per sample)",
+            timing=dict(repeats=args.repeats, statistic="median (min, max) after one warm-up"),
+            gb_per_s="kv_bytes / median_s / 1e9",
+            python=sys.version.split()[0],
+        ),
+    )
+    bw = report.data["host_bandwidth"]["sum_read_gb_per_s"]
+    num_blocks = 64 if args.cpu_tiny else CPU_POOL_BLOCKS
+    with jax.default_device(cpu):
+        for name, num_seqs, (lo, hi), num_q, num_kv, head_dim in cells:
+            rng = np.random.default_rng(0)
+            contexts = [int(c) for c in rng.integers(lo, hi + 1, num_seqs)]
+            tables, lens = make_tables(rng, contexts, num_blocks)
+            shape = pk.kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv, head_dim)
+            base = [rng.standard_normal(shape, np.float32) for _ in range(2)]
+            q32 = rng.standard_normal((num_seqs, num_q, head_dim), np.float32)
+            for dtype_name in CPU_ATTENTION_DTYPES:
+                dtype = jnp.dtype(dtype_name)
+                k_cache, v_cache = (jnp.asarray(a, dtype) for a in base)
+                q = jnp.asarray(q32, dtype)
+                traffic = roofline.decode_traffic(
+                    contexts,
+                    num_q_heads=num_q,
+                    num_kv_heads=num_kv,
+                    head_dim=head_dim,
+                    block_size=BLOCK_SIZE,
+                    cache_itemsize=dtype.itemsize,
+                    q_itemsize=dtype.itemsize,
+                )
+                scale = head_dim**-0.5
+                # Already jitted (scale static): one compile per cell and dtype.
+                operands = (q, k_cache, v_cache, tables, lens)
+                jax.block_until_ready(reference.paged_attention(*operands, scale=scale))
+                samples = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(reference.paged_attention(*operands, scale=scale))
+                    samples.append(time.perf_counter() - t0)
+                median = statistics.median(samples)
+                gbps = traffic.kv_bytes / median / 1e9
+                row = dict(
+                    cell=name,
+                    dtype=dtype_name,
+                    num_seqs=num_seqs,
+                    context_tokens_mean=float(np.mean(contexts)),
+                    num_q_heads=num_q,
+                    num_kv_heads=num_kv,
+                    head_dim=head_dim,
+                    block_size=BLOCK_SIZE,
+                    pool_blocks=num_blocks,
+                    kv_bytes=traffic.kv_bytes,
+                    total_bytes=traffic.total_bytes,
+                    median_s=median,
+                    min_s=min(samples),
+                    max_s=max(samples),
+                    samples_s=samples,
+                    gb_per_s=gbps,
+                    gb_per_s_at_min=traffic.kv_bytes / min(samples) / 1e9,
+                    fraction_of_host_read_bandwidth=gbps / bw,
+                )
+                report.add(row)
+                print(
+                    f"cpu attention {name:16s} {dtype_name:8s} {1e3 * median:8.2f} ms "
+                    f"({1e3 * min(samples):.2f}-{1e3 * max(samples):.2f}) {gbps:6.2f} GB/s "
+                    f"(host sum read {bw:.1f} GB/s)",
+                    flush=True,
+                )
+                del k_cache, v_cache
+    print(f"wrote {report.path}")
+    return 0
+
+
 def print_plan(args) -> None:
     num_blocks, shared = pool_blocks()
     print(
@@ -524,10 +665,20 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit", type=float, default=120.0, help="start no new cell after this many s"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan; touch no device")
+    parser.add_argument(
+        "--cpu-attention",
+        action="store_true",
+        help="time the pure-JAX reference decode attention on the CPU backend (GB/s)",
+    )
+    parser.add_argument("--cpu-tiny", action="store_true", help="--cpu-attention at tiny shapes")
+    parser.add_argument("--repeats", type=int, default=9, help="--cpu-attention timed calls")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.dry_run:
         print_plan(args)
         return 0
+    if args.cpu_attention:
+        return run_cpu_attention(args)
     import jax
 
     if jax.default_backend() == "gpu":

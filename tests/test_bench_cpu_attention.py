@@ -1,0 +1,42 @@
+"""bench_kernels --cpu-attention: the CPU reference decode attention's effective GB/s,
+beside the host's measured read bandwidth, in JSON with its command."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_cpu_attention_mode_reports_gb_per_s_as_bytes_over_median_time(tmp_path):
+    out = tmp_path / "cpu_attention.json"
+    args = ["--cpu-attention", "--cpu-tiny", "--repeats", "3", "--output", str(out)]
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_kernels.py", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["command"] == "python scripts/bench_kernels.py " + " ".join(args)
+    assert report["device"] == "cpu"
+    bw = report["host_bandwidth"]
+    assert bw["sum_read_gb_per_s"] > 0 and bw["copy_read_plus_write_gb_per_s"] > 0
+    rows = report["results"]
+    assert {r["dtype"] for r in rows} == {"float32", "bfloat16"}
+    for r in rows:
+        assert len(r["samples_s"]) == 3
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["median_s"] == sorted(r["samples_s"])[1]
+        assert abs(r["gb_per_s"] - r["kv_bytes"] / r["median_s"] / 1e9) < 1e-9 * r["gb_per_s"]
+        assert r["fraction_of_host_read_bandwidth"] == r["gb_per_s"] / bw["sum_read_gb_per_s"]
+        # K and V of every context token: mean context x sequences x heads x dim x bytes.
+        itemsize = 4 if r["dtype"] == "float32" else 2
+        keys = round(r["context_tokens_mean"] * r["num_seqs"])
+        assert r["kv_bytes"] == 2 * keys * r["num_kv_heads"] * r["head_dim"] * itemsize
