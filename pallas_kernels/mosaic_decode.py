@@ -156,11 +156,8 @@ def _kernel(
     h = jax.lax.axis_index("kv_head")
     split = jax.lax.axis_index("split")
     num_splits = jax.lax.axis_size("split")
-    num_seqs, max_blocks = bt_ref.shape
-    num_blocks, _, block_size, head_dim = k_ref.shape
-    block_k = pages_per_step * block_size
-    rows = Q_TILE_ROWS
-    fp8 = kc_smem is not None
+    num_seqs = bt_ref.shape[0]
+    block_k = pages_per_step * k_ref.shape[2]
 
     seq_raw = items_ref[g, plans.ITEM_SEQ]
     in_use = seq_raw < num_seqs
@@ -175,6 +172,59 @@ def _kernel(
     per_split = (num_cb + num_splits - 1) // num_splits
     my_lo = cb_lo + jnp.minimum(split * per_split, num_cb)
     n_steps = cb_lo + jnp.minimum((split + 1) * per_split, num_cb) - my_lo
+
+    attend_pages(
+        plgpu,
+        (q_ref.at[seq, h], k_ref, v_ref, bt_ref, scales_ref),
+        (q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar),
+        seq=seq,
+        head=h,
+        k_lo=k_lo,
+        k_hi=k_hi,
+        my_lo=my_lo,
+        n_steps=n_steps,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        scale=scale,
+        soft_cap=soft_cap,
+        outputs=(
+            (o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, g, h]),
+            (lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[split, g, h]),
+        ),
+    )
+
+
+def attend_pages(
+    plgpu,
+    inputs,  # (q tile in GMEM, k_ref, v_ref, block tables, f32[2] kv scales)
+    scratch,  # (q, k ring, v ring, widened k, widened v, p, o, lse SMEM; q, k, v barriers)
+    *,
+    seq,
+    head,
+    k_lo,
+    k_hi,
+    my_lo,
+    n_steps,
+    pages_per_step: int,
+    num_stages: int,
+    scale: float,
+    soft_cap: float | None,
+    outputs,  # ((o SMEM view, o GMEM ref), (lse SMEM view, lse GMEM ref))
+    row_visible=None,  # (tok i32[rows, block_k]) -> bool, the rows' own mask (ragged)
+) -> None:
+    """The body both Mosaic kernels share: one 64-row q tile attends keys [k_lo, k_hi) of
+    sequence `seq`, KV head `head`, compute blocks my_lo .. my_lo + n_steps; pages move by
+    TMA through the SMEM ring, QK^T and PV on wgmma, online softmax in f32; the
+    normalised output and log-sum-exp are copied to `outputs`."""
+    q_src, k_ref, v_ref, bt_ref, scales_ref = inputs
+    (q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, o_smem, lse_smem) = scratch[:8]
+    q_bar, k_bar, v_bar = scratch[8:]
+    max_blocks = bt_ref.shape[1]
+    num_blocks, _, block_size, head_dim = k_ref.shape
+    block_k = pages_per_step * block_size
+    rows = Q_TILE_ROWS
+    fp8 = kc_smem is not None
+    h = head
 
     def page_ids(cb):  # -> pages_per_step (clamped id, in the pool) scalars of step cb
         out = []
@@ -199,7 +249,7 @@ def _kernel(
             ok_key = jnp.where(key_index // block_size == j, ok.astype(jnp.int32), ok_key)
         return ok_key
 
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, h], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_src, q_smem, q_bar)
     for s in range(num_stages):
         pl.when(s < n_steps)(functools.partial(issue, my_lo + s, s))
 
@@ -214,7 +264,10 @@ def _kernel(
         all_pages_ok = functools.reduce(jnp.logical_and, [ok for _, ok in pages])
         tok = cb * block_k + key_col
         visible = (tok >= k_lo) & (tok < k_hi) & (page_ok_of_keys(key_col, pages) > 0)
-        # A step wholly inside the key range with every id in the pool needs no V masking.
+        if row_visible is not None:
+            visible &= row_visible(tok)
+        # A step wholly inside the key range with every id in the pool needs no V masking
+        # (its keys are real and finite; a row mask only zeroes probabilities).
         partial = (cb * block_k < k_lo) | ((cb + 1) * block_k > k_hi) | ~all_pages_ok
 
         plgpu.barrier_wait(k_bar.at[slot])
@@ -280,8 +333,8 @@ def _kernel(
     o_smem[...] = o
     lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), NEG)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, out_rows)], o_ref.at[split, g, h])
-    plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[split, g, h])
+    for src, dst in outputs:
+        plgpu.copy_smem_to_gmem(src, dst)
     plgpu.wait_smem_to_gmem(0)
 
 

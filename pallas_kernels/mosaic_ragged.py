@@ -38,18 +38,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from pallas_kernels import plan as plans
-from pallas_kernels._attention_kernel import NEG, combine_rows, default_num_splits
+from pallas_kernels._attention_kernel import combine_rows, default_num_splits
 from pallas_kernels.mosaic_decode import (
     Q_TILE_ROWS,
+    attend_pages,
     check_shapes,
     default_tiling,
     interpret_params,
     plgpu_module,
     swizzled_smem,
-    widen,
 )
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
@@ -96,11 +95,9 @@ def _kernel(
     num_splits = jax.lax.axis_size("part") // num_subtiles
     sub = part // num_splits
     split = jax.lax.rem(part, num_splits)
-    num_seqs, max_blocks = bt_ref.shape
-    num_blocks, _, block_size, head_dim = k_ref.shape
-    block_k = pages_per_step * block_size
+    num_seqs = bt_ref.shape[0]
+    block_k = pages_per_step * k_ref.shape[2]
     rows = Q_TILE_ROWS
-    fp8 = kc_smem is not None
 
     seq_raw = items_ref[g, plans.ITEM_SEQ]
     in_use = seq_raw < num_seqs
@@ -124,122 +121,37 @@ def _kernel(
     my_lo = cb_lo + jnp.minimum(split * per_split, num_cb)
     n_steps = cb_lo + jnp.minimum((split + 1) * per_split, num_cb) - my_lo
 
-    def page_ids(cb):  # -> pages_per_step (clamped id, in the pool) scalars of step cb
-        out = []
-        for j in range(pages_per_step):
-            col = cb * pages_per_step + j
-            page = bt_ref[seq, jnp.minimum(col, max_blocks - 1)]
-            ok = (page >= 0) & (page < num_blocks) & (col < max_blocks)
-            out.append((jnp.where(ok, page, 0), ok))
-        return out
-
-    def issue(cb, slot):  # TMA of step cb's pages into `slot` (one copy per page and ref)
-        for j, (page, _) in enumerate(page_ids(cb)):
-            rows_j = pl.ds(j * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, h], k_smem.at[slot, rows_j], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, h], v_smem.at[slot, rows_j], v_bar.at[slot])
-
-    def page_ok_of_keys(key_index, pages):  # -> i32 like key_index: 1 where the id is in the pool
-        # Int selects, not bool scalars broadcast into bool vectors (Mosaic GPU rejects those).
-        ok_key = jnp.ones_like(key_index)
-        for j, (_, ok) in enumerate(pages):
-            ok_key = jnp.where(key_index // block_size == j, ok.astype(jnp.int32), ok_key)
-        return ok_key
-
     tile = (g * num_kv_heads + h) * num_subtiles + sub
-    plgpu.copy_gmem_to_smem(q_ref.at[tile], q_smem, q_bar)
-    for s in range(num_stages):
-        pl.when(s < n_steps)(functools.partial(issue, my_lo + s, s))
-
-    plgpu.barrier_wait(q_bar)
-    key_col = jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
     # Token of each tile row within the query block, its position, whether it is real.
-    tok_of_row = (sub * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)) // group
+    key_shape = (rows, block_k)
+    tok_of_row = (sub * rows + jax.lax.broadcasted_iota(jnp.int32, key_shape, 0)) // group
     row_pos = pos0 + tok_of_row
     row_ok = (tok_of_row < num_tok).astype(jnp.int32)
 
-    def step(i, carry):
-        m, denom, acc = carry  # f32[rows], f32[rows], f32[rows, head_dim]
-        cb = my_lo + i
-        slot = jax.lax.rem(i, num_stages)
-        pages = page_ids(cb)
-        all_pages_ok = functools.reduce(jnp.logical_and, [ok for _, ok in pages])
-        tok = cb * block_k + key_col
-        visible = (tok >= k_lo) & (tok < k_hi) & (page_ok_of_keys(key_col, pages) > 0)
-        visible &= (tok <= row_pos) & (row_ok > 0)
+    def row_visible(tok):  # causal (and windowed) per row; rows past the block see nothing
+        visible = (tok <= row_pos) & (row_ok > 0)
         if sliding_window is not None:
             visible &= tok > row_pos - sliding_window
-        # A step wholly inside the key range with every id in the pool needs no V masking
-        # (its keys are real, finite; causality only zeroes probabilities).
-        partial = (cb * block_k < k_lo) | ((cb + 1) * block_k > k_hi) | ~all_pages_ok
+        return visible
 
-        plgpu.barrier_wait(k_bar.at[slot])
-        k_tile = k_smem.at[slot]
-        if fp8:
-            kc_smem[...] = widen(k_smem[slot], kc_smem.dtype)
-            plgpu.commit_smem()
-            k_tile = kc_smem
-
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_tile.T)
-            return acc_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((rows, block_k), jnp.float32)) * scale
-        if fp8:
-            s = s * scales_ref[0]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        s = jnp.where(visible, s, NEG)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
-        denom = alpha * denom + jnp.sum(p, axis=1)
-        p_smem[...] = p.astype(p_smem.dtype)
-
-        plgpu.barrier_wait(v_bar.at[slot])
-        v_tile = v_smem.at[slot]
-        if fp8:
-            vc_smem[...] = widen(v_smem[slot], vc_smem.dtype)
-            v_tile = vc_smem
-
-        @pl.when(partial)
-        def _zero_invisible_v():
-            key_row = jax.lax.broadcasted_iota(jnp.int32, (block_k, head_dim), 0)
-            tok_r = cb * block_k + key_row
-            keep = (tok_r >= k_lo) & (tok_r < k_hi) & (page_ok_of_keys(key_row, pages) > 0)
-            v_tile[...] = jnp.where(keep, v_tile[...], jnp.zeros((), v_tile.dtype))
-
-        plgpu.commit_smem()  # P (and any masked V) visible to the tensor core
-
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_tile)
-            return acc_ref[...]
-
-        o_step = pl.run_scoped(pv, plgpu.ACC((rows, head_dim), jnp.float32))
-
-        @pl.when(i + num_stages < n_steps)
-        def _refill():
-            issue(cb + num_stages, slot)
-
-        return m_new, denom, acc * alpha[:, None] + o_step
-
-    init = (
-        jnp.full((rows,), NEG, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-        jnp.zeros((rows, head_dim), jnp.float32),
-    )
-    m, denom, acc = jax.lax.fori_loop(0, n_steps, step, init)
-    has = denom > 0
-    o = acc / jnp.where(has, denom, 1.0)[:, None]
-    if fp8:
-        o = o * scales_ref[1]
-    o_smem[...] = o
-    lse_smem[...] = jnp.where(has, m + jnp.log(jnp.where(has, denom, 1.0)), NEG)
-    plgpu.commit_smem()
     out = split * num_items * num_kv_heads * num_subtiles + tile
-    plgpu.copy_smem_to_gmem(o_smem, o_ref.at[out])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[out])
-    plgpu.wait_smem_to_gmem(0)
+    attend_pages(
+        plgpu,
+        (q_ref.at[tile], k_ref, v_ref, bt_ref, scales_ref),
+        (q_smem, k_smem, v_smem, kc_smem, vc_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar),
+        seq=seq,
+        head=h,
+        k_lo=k_lo,
+        k_hi=k_hi,
+        my_lo=my_lo,
+        n_steps=n_steps,
+        pages_per_step=pages_per_step,
+        num_stages=num_stages,
+        scale=scale,
+        soft_cap=soft_cap,
+        outputs=((o_smem, o_ref.at[out]), (lse_smem, lse_ref.at[out])),
+        row_visible=row_visible,
+    )
 
 
 def mosaic_ragged_call(
