@@ -53,11 +53,10 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import NEG, combine_items
-from pallas_kernels.names import MOSAIC_MIN_JAX_VERSION, mosaic_jax_reason, version_tuple
+from pallas_kernels.names import mosaic_jax_reason
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
-MIN_JAX_VERSION = MOSAIC_MIN_JAX_VERSION
 # Rows of the q tile: one warpgroup's wgmma M.
 Q_TILE_ROWS = 64
 # SMEM a program may allocate: an H200's per-block opt-in limit (232,448 B) less headroom
@@ -72,11 +71,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # work list, sized for an H200 (~264 programs), is re-cut to one item per sequence plus
 # this many (same outputs, far fewer interpreted programs).
 INTERPRET_SPARE_ITEMS = 4
-
-
-def jax_version() -> tuple[int, ...]:
-    """The installed jax version as a tuple of ints (e.g. (0, 12, 0))."""
-    return version_tuple(jax.__version__)
 
 
 def mosaic_unavailable_reason() -> str | None:

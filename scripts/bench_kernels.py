@@ -137,6 +137,15 @@ def time_in_loop(attend: Callable, q, n: int) -> tuple[list[float], object]:
     return samples, out
 
 
+def median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+def us_stats(samples: list[float]) -> dict:
+    """Median, min and max of per-call seconds, in microseconds (the JSON's us fields)."""
+    return dict(us=median(samples) * 1e6, us_min=min(samples) * 1e6, us_max=max(samples) * 1e6)
+
+
 def rel_err(got, want) -> float:
     import numpy as np
 
@@ -271,9 +280,7 @@ def run_gpu(args) -> int:
         q = jax.random.normal(
             jax.random.fold_in(key, batch * context), (batch, NUM_Q_HEADS, HEAD_DIM), dtype
         )
-        # Every byte the call must move (K/V, q, output, tables) at the device's peak.
-        floor = roofline.decode_traffic(
-            [context] * batch,
+        shape_kw = dict(
             num_q_heads=NUM_Q_HEADS,
             num_kv_heads=NUM_KV_HEADS,
             head_dim=HEAD_DIM,
@@ -281,6 +288,8 @@ def run_gpu(args) -> int:
             cache_itemsize=dtype.itemsize,
             q_itemsize=dtype.itemsize,
         )
+        # Every byte the call must move (K/V, q, output, tables) at the device's peak.
+        floor = roofline.decode_traffic([context] * batch, **shape_kw)
         fns = {
             "pallas": lambda q, t=tables, s=lens: pk.paged_attention(
                 q, k_cache, v_cache, t, s, scale=scale
@@ -295,15 +304,7 @@ def run_gpu(args) -> int:
             )
         if theirs_cache is not None:
             fns["jax_pallas"] = lambda q, t=tables, s=lens: theirs(q * scale, *theirs_cache, t, s)
-        model = roofline.predicted_decode_fraction(
-            [context] * batch,
-            num_q_heads=NUM_Q_HEADS,
-            num_kv_heads=NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            block_size=BLOCK_SIZE,
-            cache_itemsize=dtype.itemsize,
-            q_itemsize=dtype.itemsize,
-        )
+        model = roofline.predicted_decode_fraction([context] * batch, **shape_kw)
         row = dict(
             batch=batch,
             context=context,
@@ -332,12 +333,10 @@ def run_gpu(args) -> int:
                 n = loop_count(floor.total_bytes)
                 try:
                     samples, outputs[impl] = time_in_loop(fns[impl], q, n)
-                    seconds = sorted(samples)[len(samples) // 2]
+                    seconds = median(samples)
                     res.update(
                         calls_per_loop=n,
-                        us=seconds * 1e6,
-                        us_min=min(samples) * 1e6,
-                        us_max=max(samples) * 1e6,
+                        **us_stats(samples),
                         gbps=floor.total_bytes / seconds / 1e9,
                         fraction_of_peak=floor.fraction(seconds, peak * 1e9),
                     )
@@ -410,13 +409,7 @@ def mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak) -> boo
         row["impls"][impl] = res
         try:
             samples, outputs[impl] = time_in_loop(fn, q, n)
-            seconds = sorted(samples)[len(samples) // 2]
-            res.update(
-                us=seconds * 1e6,
-                us_min=min(samples) * 1e6,
-                us_max=max(samples) * 1e6,
-                us_per_token=seconds * 1e6 / batch,
-            )
+            res.update(**us_stats(samples), us_per_token=median(samples) * 1e6 / batch)
         except Exception as e:  # noqa: BLE001 - keep measuring the others
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             failed = True
@@ -600,8 +593,8 @@ def run_cpu_attention(args) -> int:
                     t0 = time.perf_counter()
                     jax.block_until_ready(reference.paged_attention(*operands, scale=scale))
                     samples.append(time.perf_counter() - t0)
-                median = statistics.median(samples)
-                gbps = traffic.kv_bytes / median / 1e9
+                median_s = statistics.median(samples)
+                gbps = traffic.kv_bytes / median_s / 1e9
                 row = dict(
                     cell=name,
                     dtype=dtype_name,
@@ -614,7 +607,7 @@ def run_cpu_attention(args) -> int:
                     pool_blocks=num_blocks,
                     kv_bytes=traffic.kv_bytes,
                     total_bytes=traffic.total_bytes,
-                    median_s=median,
+                    median_s=median_s,
                     min_s=min(samples),
                     max_s=max(samples),
                     samples_s=samples,
@@ -624,7 +617,7 @@ def run_cpu_attention(args) -> int:
                 )
                 report.add(row)
                 print(
-                    f"cpu attention {name:16s} {dtype_name:8s} {1e3 * median:8.2f} ms "
+                    f"cpu attention {name:16s} {dtype_name:8s} {1e3 * median_s:8.2f} ms "
                     f"({1e3 * min(samples):.2f}-{1e3 * max(samples):.2f}) {gbps:6.2f} GB/s "
                     f"(host sum read {bw:.1f} GB/s)",
                     flush=True,

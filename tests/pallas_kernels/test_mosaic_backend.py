@@ -6,13 +6,11 @@ The refusals run on every jax (older jax must say why); the kernel runs need jax
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pk_testing import assert_close, make_case
+from pk_testing import assert_close, make_case, with_timeout
 
 import pallas_kernels as pk
 from pallas_kernels.backend import check_backend, mosaic_unavailable, valid_backends
@@ -21,26 +19,6 @@ from pallas_kernels.names import mosaic_jax_reason
 OLD_JAX = mosaic_jax_reason(jax.__version__)
 needs_mosaic = pytest.mark.skipif(OLD_JAX is not None, reason=str(OLD_JAX))
 ON_GPU = jax.default_backend() == "gpu"
-CALL_TIMEOUT_S = 300
-
-
-def with_timeout(fn, *args, **kwargs):
-    """fn(*args, **kwargs) in a thread, failing the test if it runs past CALL_TIMEOUT_S."""
-    result = {}
-
-    def target():
-        try:
-            result["out"] = jax.block_until_ready(fn(*args, **kwargs))
-        except BaseException as e:  # re-raised in the test thread
-            result["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(CALL_TIMEOUT_S)
-    assert not t.is_alive(), f"interpreted step ran past {CALL_TIMEOUT_S} s"
-    if "err" in result:
-        raise result["err"]
-    return result["out"]
 
 
 def test_the_mosaic_names_are_backend_names():

@@ -2,7 +2,7 @@
 
 Every kernel run has the race detector on (a race raises). Caches hold NaN in every slot
 the output must not depend on (pk_testing.make_case): the null block, unused blocks and
-slots past seq_len. Needs jax >= mosaic_decode.MIN_JAX_VERSION; older jax skips.
+slots past seq_len. Needs jax >= names.MOSAIC_MIN_JAX_VERSION; older jax skips.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import functools
 import importlib.util
 import pathlib
 import sys
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from pk_testing import assert_close, make_case, naive_attention
+from pk_testing import assert_close, make_case, naive_attention, with_timeout
 
 from pallas_kernels import plan as plans
 from pallas_kernels import reference
@@ -38,33 +37,11 @@ pytestmark = pytest.mark.skipif(
 
 COMPILE_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "gpu_compile_check.py"
 
-# One interpreted kernel call takes seconds; a hang must fail, not block CI.
-CALL_TIMEOUT_S = 300
-
 
 def interpret_params():
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     return plgpu.InterpretGPUParams(detect_races=True)
-
-
-def with_timeout(fn, *args, **kwargs):
-    """fn(*args, **kwargs) in a thread, failing the test if it runs past CALL_TIMEOUT_S."""
-    result = {}
-
-    def target():
-        try:
-            result["out"] = jax.block_until_ready(fn(*args, **kwargs))
-        except BaseException as e:  # re-raised in the test thread
-            result["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(CALL_TIMEOUT_S)
-    assert not t.is_alive(), f"interpreted kernel ran past {CALL_TIMEOUT_S} s"
-    if "err" in result:
-        raise result["err"]
-    return result["out"]
 
 
 def check(case, dtype, *, sliding_window=None, soft_cap=None, **knobs):
