@@ -48,15 +48,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.names import DECODE_TARGET_PROGRAMS, MIN_CHUNK_TOKENS
 from pallas_kernels.plan import ITEM_HI, ITEM_LO, ITEM_ROW, ITEM_SEQ
 from pallas_kernels.quantization import is_fp8
 
 NEG = -1e30  # finite "minus infinity": exp(NEG - NEG) = 1 stays finite, unlike inf - inf
 # Full f32 precision for f32 dots (IEEE, not TF32); bf16/f16 dots are unaffected.
 DOT_PRECISION = jax.lax.Precision.HIGHEST
-# Smallest key range one split-K program gets: below this, the partial output's write and
-# the combine cost more than the extra parallelism buys (H200 reasoning in docs/kernels.md).
-MIN_SPLIT_TOKENS = 512
+# Smallest key range one split-K program gets (the decode work list's chunk floor, too):
+# below it the partial output's write and the merge cost more than the parallelism buys.
+MIN_SPLIT_TOKENS = MIN_CHUNK_TOKENS
 OUT_MODES = ("direct", "rows", "items")
 
 
@@ -383,9 +384,11 @@ def combine_items(
 def default_num_splits(num_programs: int, max_context: int, block_k: int) -> int:
     """Enough splits for ~2 programs per SM on a 132-SM GPU, but each split >= 512 keys
     (MIN_SPLIT_TOKENS) and >= one block_k, and at most 32."""
-    target = 264
     per_split = max(MIN_SPLIT_TOKENS, block_k)
-    return max(1, min(target // max(num_programs, 1), pl.cdiv(max_context, per_split), 32))
+    return max(
+        1,
+        min(DECODE_TARGET_PROGRAMS // max(num_programs, 1), pl.cdiv(max_context, per_split), 32),
+    )
 
 
 def default_num_warps(rows: int, block_k: int, head_dim: int) -> int:

@@ -42,19 +42,6 @@ from pallas_kernels.validation import (
 )
 
 
-def query_blocks(
-    query_start_loc,  # i32[num_seqs + 1]
-    num_query_blocks: int,
-    block_q: int,
-):  # -> (i32[num_query_blocks] sequence (num_seqs = unused), i32[num_query_blocks] first row)
-    """Assigns each grid query block to a sequence and its first flat row (unused blocks:
-    the padding rows they zero). See ``plan.ragged_items``."""
-    num_seqs = query_start_loc.shape[0] - 1
-    num_tokens = (num_query_blocks - num_seqs) * block_q
-    items = plans.ragged_items(query_start_loc, num_tokens, block_q)
-    return items[:, plans.ITEM_SEQ], items[:, plans.ITEM_ROW]
-
-
 def ragged_defaults(dtype, head_dim: int, group: int, block_size: int) -> dict[str, int]:
     """block_q, block_k, num_stages (and num_warps if tuned) of the ragged kernel.
 
