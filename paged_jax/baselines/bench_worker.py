@@ -3,7 +3,8 @@
     python -m paged_jax.baselines.bench_worker '<json spec>'
 
 Builds and warms the system, prints one JSON line {"ready": ...}, then serves one timed
-run per JSON line read from stdin ({"op": "run", "batch_size": ...} or {"op": "quit"}),
+run per JSON line read from stdin ({"op": "run"}, for HF {"op": "run", "batch_size": B,
+"threads": N}, or {"op": "quit"}),
 printing one JSON line per run: the summary and the outputs. The HF system imports only
 torch, the others only jax, so the two frameworks never share a process (or its thread
 pools) while a run is timed; a waiting worker blocks on stdin and uses no CPU.
@@ -20,6 +21,12 @@ from paged_jax.baselines.workload import WorkloadConfig, make_trace
 
 def _build(spec: dict):
     system = spec["system"]
+    if system != "hf" and spec.get("compile_cache_dir"):
+        # Shared by the sweep's workers: a setting whose step shapes an earlier one
+        # compiled loads them instead (warm-up only; no timed run compiles).
+        from paged_jax.compile_cache import enable_compile_cache
+
+        enable_compile_cache(spec["compile_cache_dir"])
     if system == "hf":
         from paged_jax.baselines.harness import HFSystem
 
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd["op"] == "quit":
             break
         if spec["system"] == "hf":
-            result = system.run(trace, cmd["batch_size"])
+            result = system.run(trace, cmd["batch_size"], num_threads=cmd.get("threads"))
         else:
             result = system.run(trace)
         print(json.dumps({"summary": result.summary(), "outputs": result.outputs}), flush=True)

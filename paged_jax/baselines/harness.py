@@ -283,7 +283,10 @@ class HFSystem:
             model_path, dtype=getattr(torch, dtype)
         ).eval()
 
-    def run(self, trace: list[TraceRequest], batch_size: int) -> SystemResult:
+    def run(
+        self, trace: list[TraceRequest], batch_size: int, *, num_threads: int | None = None
+    ) -> SystemResult:
+        """One pass over the trace; num_threads (torch intra-op) overrides the default."""
         from paged_jax.baselines.hf_generate import run_hf_generate
 
         res = run_hf_generate(
@@ -291,7 +294,7 @@ class HFSystem:
             trace,
             batch_size,
             dtype=self.dtype,
-            num_threads=self.num_threads,
+            num_threads=self.num_threads if num_threads is None else num_threads,
             model=self.model,
         )
         return SystemResult(

@@ -17,7 +17,8 @@ from typing import Any
 
 from paged_jax.baselines.workload import TraceRequest
 
-# A small Llama for the benchmark: hidden 256, 4 layers, 8 query / 4 KV heads of dim 32.
+# A small Llama for the benchmark: hidden 256, 4 layers, 8 query / 4 KV heads of dim 32
+# (2.9M parameters).
 BENCH_LLAMA_CONFIG: dict[str, Any] = dict(
     vocab_size=1024,
     hidden_size=256,
@@ -32,21 +33,64 @@ BENCH_LLAMA_CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=False,
 )
 
+# An 80M-class Llama: Llama's own vocabulary (32,000) and MLP ratio (intermediate =
+# 8/3 x hidden, rounded to a multiple of 256), hidden 768 in 12 query heads of dim 64,
+# grouped-query attention with 4 KV heads (as Llama 2 70B and Llama 3 do; it keeps the
+# KV cache at 16 KiB a token in float32), tied embeddings as small Llamas (Llama 3.2
+# 1B/3B) do. 74.9M parameters.
+LLAMA_80M_CONFIG: dict[str, Any] = dict(
+    BENCH_LLAMA_CONFIG,
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_hidden_layers=8,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+
+MODEL_PRESETS: dict[str, dict[str, Any]] = {"tiny": BENCH_LLAMA_CONFIG, "80m": LLAMA_80M_CONFIG}
+
+
+def llama_num_parameters(config: dict[str, Any]) -> int:
+    """Parameters of a Llama config (the dict form above): embeddings, layers, head."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q = config["num_attention_heads"] * head_dim
+    kv = config["num_key_value_heads"] * head_dim
+    layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden
+    embed = config["vocab_size"] * hidden
+    head = 0 if config.get("tie_word_embeddings") else embed
+    return embed + config["num_hidden_layers"] * layer + hidden + head
+
 
 def build_random_llama(
-    directory: str | pathlib.Path, *, seed: int = 0, **config_overrides: Any
+    directory: str | pathlib.Path,
+    *,
+    seed: int = 0,
+    preset: str = "tiny",
+    **config_overrides: Any,
 ) -> pathlib.Path:
     """Writes a seeded random-weight Llama checkpoint (safetensors) to `directory`.
 
     Weights are N(0, 0.05^2) and norm scales 1 + N(0, 0.05^2), larger than HF's init so
     the logits are well separated and greedy decoding is not decided by rounding.
+
+    Args:
+        directory: where save_pretrained writes the checkpoint.
+        seed: torch seed of the weights.
+        preset: a MODEL_PRESETS name, the config the overrides start from.
+        **config_overrides: LlamaConfig fields replacing the preset's.
     """
     import torch
     import transformers
 
+    if preset not in MODEL_PRESETS:
+        raise ValueError(f"preset={preset!r} must be one of {sorted(MODEL_PRESETS)}")
     directory = pathlib.Path(directory)
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**BENCH_LLAMA_CONFIG, **config_overrides})
+    config = transformers.LlamaConfig(**{**MODEL_PRESETS[preset], **config_overrides})
     model = transformers.LlamaForCausalLM(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
