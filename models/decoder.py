@@ -249,6 +249,7 @@ class CausalLM(nnx.Module):
         *,
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
+        layers: Any = None,  # a models.layer_scan.StackedLayers: run the layers as a scan
     ) -> tuple[jax.Array, list[KVCache]]:  # f32[num_seqs, vocab], updated caches
         """One engine step over a flat, padded batch of new tokens and a paged KV cache.
 
@@ -262,17 +263,29 @@ class CausalLM(nnx.Module):
             attention_backend: overrides `self.attention_backend`; must be static.
             kv_scales: per layer (k_scale, v_scale) of fp8 caches, a traced array (new
                 values do not recompile); None = 1.0 (pallas_kernels/quantization.py).
+            layers: the layers' weights stacked for a scan (StackedLayers.from_model);
+                kv_caches is then its one stacked (K, V) pair. None runs ``self.layers``
+                unrolled.
 
         Returns:
             Logits at attn_metadata.logits_indices and the updated caches.
         """
         layout = self.kv_layout
-        if len(kv_caches) != layout.num_tensors:
-            raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {layout.num_tensors}")
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
-        ).for_step()  # one plan cache per traced step: every layer shares the step's plan
+        )
         x = self.embed(token_ids, positions)
+        if layers is not None:
+            x, new_caches = layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
+            return self.logits(x[attn_metadata.logits_indices]), new_caches
+        if len(self.layers) != self.config.num_hidden_layers:
+            raise ValueError(
+                f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
+                "layers (their weights were moved into a StackedLayers): pass layers="
+            )
+        if len(kv_caches) != layout.num_tensors:
+            raise ValueError(f"len(kv_caches)={len(kv_caches)} must be {layout.num_tensors}")
+        ops = ops.for_step()  # one plan cache per traced step: every layer shares the plan
         new_caches = list(kv_caches)
         for i, (layer, t) in enumerate(zip(self.layers, layout.tensor_of_layer)):
             # Layers of different groups may share a tensor (in distinct blocks); the

@@ -125,12 +125,14 @@ class Case:
         context: Tokens of context per sequence (decode, ragged: the longest).
         prefill: Ragged: new-token counts of the prefill chunks; the other
             ``batch - len(prefill)`` sequences are decodes (one new token each).
-        model: Step cases: "llama8b" or "gemma2" (two layers each).
+        model: Step cases: "llama8b" or "gemma2" (two layers each unless num_layers).
         block_k: Attention: keys per step, when not the kernels' default (probes).
         decode_only: Step cases: the decode-only bucket (decode kernel), else mixed.
         tp: Step cases: tensor-parallel devices (compile-only H200s of one host).
         backend: Attention cases: "triton" (pallas_kernels' Triton kernels) or "mosaic"
             (the Mosaic GPU kernels).
+        num_layers: Step cases: the model's depth (0: the model's two layers).
+        scan_layers: Step cases: EngineConfig.scan_layers (False: layers unrolled).
     """
 
     name: str
@@ -150,6 +152,8 @@ class Case:
     decode_only: bool = False
     tp: int = 1
     backend: str = "triton"
+    num_layers: int = 0
+    scan_layers: bool = True
 
     @property
     def q_dtype(self) -> str:
@@ -285,6 +289,17 @@ def steps() -> list[Case]:
              context=32768, prefill=(449,), tp=2),
         Case("step-llama8b-decode-s256-tp2", "step", model="llama8b", batch=256,
              context=32768, decode_only=True, tp=2),
+    ] + depth_steps()  # fmt: skip
+
+
+def depth_steps() -> list[Case]:
+    """The Llama mixed step at the 8B model's full depth (32 layers), scanned and unrolled:
+    with the scan over layers its compile time stays near the two-layer step's."""
+    return [
+        Case("step-llama8b-32l-mixed-t512-s64", "step", model="llama8b", batch=64,
+             context=32768, prefill=(449,), num_layers=32),
+        Case("step-llama8b-32l-unrolled-mixed-t512-s64", "step", model="llama8b", batch=64,
+             context=32768, prefill=(449,), num_layers=32, scan_layers=False),
     ]  # fmt: skip
 
 
@@ -314,7 +329,11 @@ def grid_ci() -> list[Case]:
         _case("copy_blocks", dtype="float8_e4m3fn", batch=64),
         _case("copy_blocks", head_dim=80, batch=64),
     ]
-    llama = [c for c in steps() if c.model == "llama8b" and (c.tp == 1 or c.decode_only)]
+    llama = [
+        c
+        for c in steps()
+        if c.model == "llama8b" and (c.tp == 1 or c.decode_only) and c.scan_layers
+    ]
     return cases + llama + mosaic_cases()[:1] + probes()
 
 
@@ -892,7 +911,10 @@ def step_fn_and_args(case: Case, t: Target):
     from paged_jax.worker.runner import Runner
 
     cls = {"llama8b": LlamaForCausalLM, "gemma2": Gemma2ForCausalLM}[case.model]
-    config = cls.config_from_hf(MODEL_HF[case.model], {}, "bfloat16")
+    hf = dict(MODEL_HF[case.model])
+    if case.num_layers:
+        hf["num_hidden_layers"] = case.num_layers
+    config = cls.config_from_hf(hf, {}, "bfloat16")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), attention_backend="pallas"))
     engine_config = EngineConfig(
         block_size=case.block_size,
@@ -903,6 +925,7 @@ def step_fn_and_args(case: Case, t: Target):
         attention_backend="pallas",
         dtype="bfloat16",
         tensor_parallel_size=case.tp,
+        scan_layers=case.scan_layers,
     )
     if case.tp == 1:
         runner = Runner(model, engine_config)
@@ -913,7 +936,7 @@ def step_fn_and_args(case: Case, t: Target):
         with tp.patch_runner():
             runner = Runner(model, engine_config)
         rep, kv = tp.replicated, tp.kv_sharding
-        weight_specs = tp.weight_specs(runner.weights)
+        weight_specs = runner.weights  # specs carrying the partition rules' shardings
     groups = model_kv_cache_groups(model)  # Gemma 2: a full and a sliding-window group
     step = InputBatch(engine_config, kv_cache_groups=groups).dummy_step_input(
         case.num_tokens, case.batch, decode_only=case.decode_only
@@ -928,6 +951,7 @@ def step_fn_and_args(case: Case, t: Target):
     args = list(jax.tree.map(spec, runner.step_args(step)))
     if weight_specs is not None:
         args[0] = weight_specs
+    pool_blocks *= runner.num_kv_tensors  # a scanned model stacks its KV tensors
     args[1] = [
         tuple(t.spec((pool_blocks, *k.shape[1:]), str(k.dtype), sharding=kv) for k in pair)
         for pair in runner.kv_caches
@@ -962,26 +986,29 @@ def compile_only_tensor_parallel(model, tp: int):
         def __init__(self):  # noqa: D107 - TensorParallel's fields, no device transfers
             self.mesh = Mesh(np.array(topology(tp)), (TP_AXIS,))
             self.size = tp
-            self.model = model
+            self.model = self.with_weight_specs(model)
             self.replicated_fallbacks = []
             self.kv_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
             self.replicated = NamedSharding(self.mesh, REPLICATED)
 
-        def init_kv_caches(self, num_blocks: int, block_size: int) -> list:
-            shapes = jax.eval_shape(lambda: model.init_kv_caches(num_blocks, block_size))
+        def init_kv_caches(self, num_blocks: int, block_size: int, init=None) -> list:
+            init = init or (lambda: self.model.init_kv_caches(num_blocks, block_size))
             return jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.kv_sharding),
-                shapes,
+                jax.eval_shape(init),
             )
 
-        def weight_specs(self, weights):
-            shardings, _ = param_shardings(type(model).partition_rules, weights, self.mesh)
-            flat = []
-            for path, var in nnx.to_flat_state(weights):
+        def with_weight_specs(self, abstract):
+            """The abstract model with each weight a spec carrying its rule's sharding (the
+            Runner then stacks them for the scan with the shardings kept)."""
+            graphdef, state = nnx.split(abstract)
+            shardings, _ = param_shardings(type(abstract).partition_rules, state, self.mesh)
+            for path, var in nnx.to_flat_state(state):
                 value = var.get_value()
-                sds = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[path])
-                flat.append((path, sds))
-            return nnx.State.from_flat_path(flat)
+                var.set_value(
+                    jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=shardings[tuple(path)])
+                )
+            return nnx.merge(graphdef, state)
 
         @contextlib.contextmanager
         def patch_runner(self):

@@ -182,13 +182,15 @@ class TensorParallel:
         self.kv_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
         self.replicated = NamedSharding(self.mesh, REPLICATED)
 
-    def init_kv_caches(self, num_blocks: int, block_size: int) -> list[Any]:
-        """Zeroed caches allocated already split by KV head (never whole on one device)."""
+    def init_kv_caches(self, num_blocks: int, block_size: int, init: Any = None) -> list[Any]:
+        """Zeroed caches allocated already split by KV head (never whole on one device).
+
+        init: a function returning the caches (the stacked pair of a scanned model);
+            default: the model's init_kv_caches.
+        """
         model = self.model
-        make = jax.jit(
-            lambda: model.init_kv_caches(num_blocks, block_size), out_shardings=self.kv_sharding
-        )
-        return make()
+        init = init or (lambda: model.init_kv_caches(num_blocks, block_size))
+        return jax.jit(init, out_shardings=self.kv_sharding)()
 
     def attention_ops(self, backend: str) -> pallas_kernels.AttentionOps:
         """The backend's paged ops, run per shard."""
