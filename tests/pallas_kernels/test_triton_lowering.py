@@ -135,9 +135,10 @@ def test_kv_ops_lower_for_a_head_dim_that_is_not_a_power_of_two(head_dim, dtype)
 NUM_LAYERS = 3
 
 
-@pytest.fixture(scope="module")
-def pallas_runner():
-    """A tiny Llama (GQA 4/2, head_dim 64, 3 layers) on a Runner with the Pallas backend."""
+@pytest.fixture(scope="module", params=[False, True], ids=["unrolled", "scanned"])
+def pallas_runner(request):
+    """A tiny Llama (GQA 4/2, head_dim 64, 3 layers) on a Runner with the Pallas backend,
+    its layers unrolled or run as a scan (one layer body: each kernel lowers once)."""
     config = ModelConfig(
         model_type="llama",
         vocab_size=128,
@@ -159,8 +160,16 @@ def pallas_runner():
         max_model_len=256,
         attention_backend="pallas",
         dtype="bfloat16",
+        scan_layers=request.param,
     )
-    return Runner(model, engine_config), InputBatch(engine_config)
+    runner = Runner(model, engine_config)
+    assert (runner.layer_scan is not None) == request.param
+    return runner, InputBatch(engine_config)
+
+
+def _calls_per_program(runner: Runner) -> int:
+    """Kernel calls a per-layer op lowers to: one per layer, or one in the scanned body."""
+    return 1 if runner.layer_scan is not None else NUM_LAYERS
 
 
 def _lower_step(runner: Runner, step) -> str:
@@ -179,10 +188,11 @@ def test_engine_step_lowers_for_cuda_with_kernel_calls_per_layer(pallas_runner, 
     # a mixed step adds the ragged kernel for its prefill chunks, while its decode tokens
     # still take the decode kernel (not a block_q-token query block each).
     # No block copy: copy-on-write is its own call, dispatched only with a real copy.
+    n = _calls_per_program(runner)
     expected = {name: 0 for name in KERNEL_NAMES}
-    expected.update({"paged_write_kv": NUM_LAYERS, "paged_decode_attention": NUM_LAYERS})
+    expected.update({"paged_write_kv": n, "paged_decode_attention": n})
     if not decode_only:
-        expected["ragged_paged_attention"] = NUM_LAYERS
+        expected["ragged_paged_attention"] = n
     assert kernel_calls(text) == expected
 
 
@@ -195,4 +205,5 @@ def test_the_step_copy_lowers_to_one_block_copy_per_layer(pallas_runner):
 
     args = jax.tree.map(spec, (runner.kv_caches, copies))
     text = lower_for_cuda(runner.jitted_copy, *args)
-    assert kernel_calls(text) == _only("paged_copy_blocks", NUM_LAYERS)
+    # Scanned: one copy over the stacked pair, its ids repeated for every layer's tensor.
+    assert kernel_calls(text) == _only("paged_copy_blocks", _calls_per_program(runner))
