@@ -9,7 +9,8 @@ One trace, two comparisons, timed in the same interleaved rounds:
 
 - best vs best: each system's own knobs are swept first, one run per setting (paged:
   max_num_seqs x max_num_batched_tokens; contiguous: its rows; HF: batch size x torch
-  threads), all at one generous KV budget; each system's best setting is then timed.
+  threads: each thread count at the middle batch size, then each batch size at the best
+  thread count), at one generous KV budget; each system's best setting is then timed.
 - same budget (the paper's question): one KV budget in bytes and one max_num_seqs for
   the paged engine and the contiguous baselines; HF (no budget) at its best setting.
 
@@ -192,7 +193,6 @@ class Plan:
     best_budget: int  # bytes
     paged_grid: list[dict[str, int]]  # best-vs-best paged settings
     rows_grid: list[int]  # best-vs-best contiguous rows (max_num_seqs)
-    hf_grid: list[dict[str, int]]  # batch_size x threads
     pruned: list[dict[str, Any]]  # settings left out of the grids, each with why
 
     def budget_summary(self, budget: int, max_model_len: int) -> dict[str, int]:
@@ -263,9 +263,6 @@ def make_plan(args: argparse.Namespace, model_config: dict[str, Any]) -> Plan:
                 continue
             paged_grid.append({"max_num_seqs": s, "max_num_batched_tokens": t})
     rows_grid = list(seqs)
-    hf_grid = [
-        {"batch_size": b, "threads": n} for n in args.hf_threads for b in args.hf_batch_sizes
-    ]
     return Plan(
         workload=workload,
         model_config=model_config,
@@ -274,7 +271,6 @@ def make_plan(args: argparse.Namespace, model_config: dict[str, Any]) -> Plan:
         best_budget=best_budget,
         paged_grid=paged_grid,
         rows_grid=rows_grid,
-        hf_grid=hf_grid,
         pruned=pruned,
     )
 
@@ -410,16 +406,28 @@ def sweep_workers(name: str, base: dict, settings: list[tuple[dict, dict]]) -> S
     return sweep
 
 
-def sweep_hf(worker: Worker, grid: list[dict]) -> Sweep:
-    """HF's settings are run arguments: one worker, one run per (batch size, threads)."""
+def sweep_hf(worker: Worker, batch_sizes: list[int], threads: list[int]) -> Sweep:
+    """HF's settings are run arguments: one worker, one run per setting, swept as a user
+    would: every thread count at the middle batch size, then every other batch size at
+    the best thread count (a thread count that collapses on a loaded machine costs one
+    run, not one per batch size)."""
     sweep = Sweep(NAMES["hf"], worker=worker)
-    for setting in grid:
+
+    def try_setting(batch_size: int, num_threads: int) -> None:
+        setting = {"batch_size": batch_size, "threads": num_threads}
         result = worker.run(**setting)
-        record = {"setting": setting, "warmup_s": 0.0, "run": result}
-        sweep.records.append(record)
+        sweep.records.append({"setting": setting, "warmup_s": 0.0, "run": result})
         print(f"  hf-static ({_setting_text(setting)}): {_tps(result):.1f} tok/s", flush=True)
         if sweep.best is None or _tps(result) > _tps(sweep.best["run"]):
-            sweep.best = record
+            sweep.best = sweep.records[-1]
+
+    middle = batch_sizes[len(batch_sizes) // 2]
+    for n in threads:
+        try_setting(middle, n)
+    best_threads = sweep.best["setting"]["threads"]
+    for b in batch_sizes:
+        if b != middle:
+            try_setting(b, best_threads)
     sweep.run_kwargs = dict(sweep.best["setting"])
     return sweep
 
@@ -442,7 +450,8 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path, plan: Plan, cache_dir
     try:
         if "hf" in args.systems:
             print("starting hf-static worker, sweeping batch size x threads ...", flush=True)
-            hf = sweep_hf(Worker({**base, "system": "hf"}, "hf-static"), plan.hf_grid)
+            worker = Worker({**base, "system": "hf"}, "hf-static")
+            hf = sweep_hf(worker, args.hf_batch_sizes, args.hf_threads)
             sweeps["hf-static"] = hf
         if best:
             print(f"best vs best: KV budget {plan.best_budget} bytes", flush=True)
@@ -774,7 +783,11 @@ def plan_text(args: argparse.Namespace, plan: Plan) -> str:
         for p in plan.pruned:
             lines.append(f"  pruned: {p}")
     if "hf" in args.systems:
-        lines.append(f"  hf-static batch_size x threads: {len(plan.hf_grid)} runs")
+        middle = args.hf_batch_sizes[len(args.hf_batch_sizes) // 2]
+        lines.append(
+            f"  hf-static: threads {args.hf_threads} at batch size {middle}, then batch "
+            f"sizes {args.hf_batch_sizes} at the best thread count"
+        )
     if "same-budget" in args.comparisons:
         lines.append(
             f"same budget: KV budget {plan.same_budget} bytes, max_num_seqs "

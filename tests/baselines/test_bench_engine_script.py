@@ -202,7 +202,13 @@ def test_sweeps_pick_each_systems_best_and_time_only_those(monkeypatch, tmp_path
     assert runs.count(4) == 4 and runs.count(3) == 4 and set(runs) == {1, 3, 4}
     assert all(w.closed for w in _FakeWorker.started)  # all closed at the end
     hf = [w for w in _FakeWorker.started if w.spec["system"] == "hf"]
-    assert len(hf) == 1 and hf[0].runs[4:] == [{"batch_size": 32, "threads": 2}] * 3
+    # HF: both thread counts at the middle batch size (32), then batch 8 at 2 threads.
+    assert hf[0].runs[:3] == [
+        {"batch_size": 32, "threads": 1},
+        {"batch_size": 32, "threads": 2},
+        {"batch_size": 8, "threads": 2},
+    ]
+    assert len(hf) == 1 and hf[0].runs[3:] == [{"batch_size": 32, "threads": 2}] * 3
     # HF's three timed runs serve both tables; the same-budget rows are their own workers.
     assert best["results"]["hf-static"] == report["results"]["hf-static"]
     assert set(report["results"]) == {
