@@ -23,9 +23,10 @@ from pallas_kernels.validation import (
     validate_write_kv,
 )
 
-# Decode reference: query rows (one per sequence) attended per lax.map step; bounds the
-# gathered K/V to _DECODE_GROUP * context instead of num_seqs * context.
-_DECODE_GROUP = 16
+# Decode reference: sequences sorted by context length, _DECODE_GROUP of them per lax.map
+# step; bounds the gathered K/V to _DECODE_GROUP * chunk instead of num_seqs * context,
+# and a group of similar lengths loops only to its own longest.
+_DECODE_GROUP = 32
 # Ragged reference: tiles of up to _Q_TILE consecutive rows of one sequence share one
 # gathered K/V (one matrix product instead of _Q_TILE matrix-vector ones); _TILE_GROUP
 # tiles per lax.map step. A decode row is a tile of its own (its spare rows compute
@@ -53,18 +54,22 @@ def _attend_rows(
 
     The b rows of a tile share one block table (one sequence), so its keys are gathered
     once for all b rows and the scores are a matrix product; decode rows are tiles of 1.
-
-    An fp8 cache is dequantized on read (see quantization.py): the gathered tile is cast
-    to q's dtype (exact), scores are multiplied by k_scale, the output by v_scale.
+    The q heads of one kv head and the b rows form the rows of that product.
 
     The context is gathered and attended in chunks of _KV_CHUNK_TOKENS keys, merged with
     a running max and sum (exactly the dense softmax up to rounding). Only the chunks
     that hold a key some row can see are visited: a dynamic loop bound keeps the work
     proportional to the rows' real context, not to the block table's padded width.
+
+    Pages are gathered whole (a block is one contiguous row of the cache) in the cache's
+    dtype and widened to f32 after the gather: the dots run in f32, which is exact for
+    every cache dtype (an fp8 cache is dequantized on read, quantization.py: scores are
+    multiplied by k_scale, the output by v_scale).
     """
     n, b, num_q_heads, head_dim = q.shape
     num_blocks, num_kv_heads, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
+    rows = group * b  # query rows per kv head, ordered (q head in its group, tile row)
     blocks_per_chunk = max(1, min(block_rows.shape[1], _KV_CHUNK_TOKENS // block_size))
     num_chunks = cdiv(block_rows.shape[1], blocks_per_chunk)
     # Pad with the null block: its keys sit past every position, so they are masked.
@@ -72,16 +77,19 @@ def _attend_rows(
         block_rows, ((0, 0), (0, num_chunks * blocks_per_chunk - block_rows.shape[1]))
     )
     chunk_tokens = blocks_per_chunk * block_size
-    qg = q.reshape(n, b, num_kv_heads, group, head_dim)
+    qg = q.reshape(n, b, num_kv_heads, group, head_dim).transpose(0, 2, 3, 1, 4)
+    qg = qg.reshape(n, num_kv_heads, rows, head_dim).astype(jnp.float32)
     fp8 = is_fp8(k_cache.dtype)
-
-    def gather(cache, blocks):  # -> f[n, num_kv_heads, chunk_tokens, head_dim]
-        pages = cache[blocks]  # f[n, blocks_per_chunk, num_kv_heads, block_size, head_dim]
-        pages = pages.transpose(0, 2, 1, 3, 4)
-        return pages.reshape(n, num_kv_heads, chunk_tokens, head_dim)
+    # One row per block, so a gather copies whole contiguous pages.
+    k_pages = k_cache.reshape(num_blocks, -1)  # [num_blocks, num_kv_heads * bs * d]
+    v_pages = v_cache.reshape(num_blocks, -1)
 
     def step(c, carry):
-        m, denom, acc = carry  # f32[n, kv_heads, group, b] x2, f32[n, kv_heads, group, b, d]
+        m, denom, acc = carry  # f32[n, kv_heads, rows] x2, f32[n, kv_heads, rows, d]
+        # Tie the pools to the loop step: otherwise XLA hoists the widening of a narrow
+        # cache (its CPU gather runs in f32) out of the loop as a conversion of the whole
+        # pool, which costs time in proportion to the pool instead of the context.
+        k_rows, v_rows, c = jax.lax.optimization_barrier((k_pages, v_pages, c))
         blocks = jax.lax.dynamic_slice_in_dim(block_rows, c * blocks_per_chunk, blocks_per_chunk, 1)
         key_pos = c * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
         visible = key_pos <= positions[..., None]  # bool[n, b, chunk_tokens]
@@ -91,27 +99,31 @@ def _attend_rows(
         page_ok = (blocks >= 0) & (blocks < num_blocks)  # bool[n, blocks_per_chunk]
         visible &= jnp.repeat(page_ok, block_size, axis=1)[:, None, :]
         blocks = jnp.where(page_ok, blocks, 0)
-        k = gather(k_cache, blocks)
-        if fp8:
-            k = k.astype(q.dtype)
-        # Zero V outside every row's visible range: a masked probability of 0 times a
-        # NaN/inf in an unused slot (or the null block) would otherwise poison the output.
-        seen = jnp.any(visible, axis=1)  # bool[n, chunk_tokens]
-        v = jnp.where(seen[:, None, :, None], gather(v_cache, blocks), 0)
-        s = jnp.einsum("nbhgd,nhkd->nhgbk", qg, k, preferred_element_type=jnp.float32) * scale
+        page_shape = (n, blocks_per_chunk, num_kv_heads, block_size, head_dim)
+        k = k_rows[blocks].reshape(page_shape).astype(jnp.float32)
+        # The chunk's (block, offset) pair is contracted as it was gathered: no reshape
+        # of the pages into one token axis first.
+        s = jnp.einsum("nhrd,nchtd->nhrct", qg, k).reshape(n, num_kv_heads, rows, chunk_tokens)
+        s = s * scale
         if fp8 and k_scale is not None:
             s = s * k_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = visible[:, None, None, :, :]
+        # visible[n, b, k] -> mask[n, 1, (g, b), k]
+        mask = jnp.broadcast_to(visible[:, None, None], (n, 1, group, b, chunk_tokens))
+        mask = mask.reshape(n, 1, rows, chunk_tokens)
         s = jnp.where(mask, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
         alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
         denom = denom * alpha + jnp.sum(p, axis=-1)
-        pv = jnp.einsum("nhgbk,nhkd->nhgbd", p, v.astype(jnp.float32))
-        acc = acc * alpha[..., None] + pv
+        # Zero V outside every row's visible range: a masked probability of 0 times a
+        # NaN/inf in an unused slot (or the null block) would otherwise poison the output.
+        seen = jnp.any(visible, axis=1).reshape(n, blocks_per_chunk, 1, block_size, 1)
+        v = jnp.where(seen, v_rows[blocks].reshape(page_shape).astype(jnp.float32), 0.0)
+        p_pages = p.reshape(n, num_kv_heads, rows, blocks_per_chunk, block_size)
+        acc = acc * alpha[..., None] + jnp.einsum("nhrct,nchtd->nhrd", p_pages, v)
         return m_new, denom, acc
 
     # Chunks [first, last] hold every key some row sees; rows at position -1 see none.
@@ -122,16 +134,17 @@ def _attend_rows(
         lowest = jnp.min(jnp.where(valid, positions - sliding_window + 1, jnp.iinfo(jnp.int32).max))
         first = jnp.maximum(lowest, 0) // chunk_tokens
     init = (
-        jnp.full((n, num_kv_heads, group, b), -jnp.inf, jnp.float32),
-        jnp.zeros((n, num_kv_heads, group, b), jnp.float32),
-        jnp.zeros((n, num_kv_heads, group, b, head_dim), jnp.float32),
+        jnp.full((n, num_kv_heads, rows), -jnp.inf, jnp.float32),
+        jnp.zeros((n, num_kv_heads, rows), jnp.float32),
+        jnp.zeros((n, num_kv_heads, rows, head_dim), jnp.float32),
     )
     _, denom, acc = jax.lax.fori_loop(first, last + 1, step, init)
     o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # rows that see nothing give exactly 0
     if fp8 and v_scale is not None:
         o = o * v_scale
-    # [n, kv_heads, group, b, d] -> [n, b, kv_heads * group, d]
-    return o.transpose(0, 3, 1, 2, 4).reshape(n, b, num_q_heads, head_dim)
+    # [n, kv_heads, (g, b), d] -> [n, b, kv_heads * g, d]
+    o = o.reshape(n, num_kv_heads, group, b, head_dim).transpose(0, 3, 1, 2, 4)
+    return o.reshape(n, b, num_q_heads, head_dim)
 
 
 def _attend_tile_groups(
@@ -229,13 +242,16 @@ def paged_attention(
     )
     if validate:
         check_attention_values(k_cache, block_tables, seq_lens)
+    # Longest first: a row group loops to its own longest context, so similar lengths
+    # share a group; outputs go back to the callers' order below.
+    order = jnp.argsort(seq_lens, descending=True).astype(jnp.int32)
     o = _attend_tile_groups(
-        q[:, None],
+        q[order][:, None],
         k_cache,
         v_cache,
         block_tables,
-        jnp.arange(seq_lens.shape[0], dtype=jnp.int32),
-        (seq_lens - 1)[:, None],
+        order,
+        (seq_lens[order] - 1)[:, None],
         tiles_per_group=_DECODE_GROUP,
         scale=scale,
         sliding_window=sliding_window,
@@ -243,6 +259,7 @@ def paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )[:, 0]
+    o = jnp.zeros_like(o).at[order].set(o, unique_indices=True)
     return o.astype(q.dtype)
 
 

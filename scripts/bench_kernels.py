@@ -491,16 +491,23 @@ def run_cpu_smoke(args) -> int:
 
 
 # CPU attention cells: (name, num_seqs, (context low, high) drawn uniformly, or one value,
-# num_q_heads, num_kv_heads, head_dim). The first matches scripts/bench_step_profile.py's
-# decode-attention timing (the bench Llama's heads, 128 sequences, contexts 150-450).
+# q_len (1: decode through paged_attention; more: a prefill chunk per sequence through
+# ragged_paged_attention), num_q_heads, num_kv_heads, head_dim). The first matches
+# scripts/bench_step_profile.py's decode-attention timing (the bench Llama's heads, 128
+# sequences, contexts 150-450); the others check a long context, one sequence and a
+# prefill shape do not regress.
 CPU_ATTENTION_CELLS = (
-    ("decode_128x300", 128, (150, 450), 8, 4, 32),
-    ("decode_32x2k", 32, (2048, 2048), 8, 4, 32),
+    ("decode_128x300", 128, (150, 450), 1, 8, 4, 32),
+    ("decode_32x2k", 32, (2048, 2048), 1, 8, 4, 32),
+    ("decode_1x4k", 1, (4096, 4096), 1, 8, 4, 32),
+    ("prefill_4x512_q256", 4, (512, 512), 256, 8, 4, 32),
 )
-CPU_TINY_CELLS = (("tiny", 4, (20, 60), 4, 2, 16),)
+CPU_TINY_CELLS = (("tiny", 4, (20, 60), 1, 4, 2, 16), ("tiny_prefill", 2, (24, 40), 8, 4, 2, 16))
 CPU_ATTENTION_DTYPES = ("float32", "bfloat16")
 CPU_POOL_BLOCKS = 4096  # as bench_step_profile's pool
 HOST_BANDWIDTH_BYTES = 256 << 20
+# Each cell times these side by side, one call of each per round (rotated order).
+CPU_IMPLS = ("reference", "previous")
 
 
 def host_bandwidth(nbytes: int = HOST_BANDWIDTH_BYTES, repeats: int = 5) -> dict:
@@ -527,10 +534,104 @@ def host_bandwidth(nbytes: int = HOST_BANDWIDTH_BYTES, repeats: int = 5) -> dict
     )
 
 
+def previous_reference():  # -> (paged_attention, ragged_paged_attention), jitted, scale static
+    """The reference attention as it was before the CPU restructure, for the side-by-side
+    only (no window, soft cap or fp8: the cells use none). Groups of 16 sequences in the
+    callers' order, pages gathered as [blocks, heads, offset, dim] and moved to a token
+    axis before the dots, K widened to q's dtype (the whole pool, hoisted, for bf16)."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import reference
+
+    def attend_rows(q, k_cache, v_cache, block_rows, positions, scale):
+        n, b, num_q_heads, head_dim = q.shape
+        _, num_kv_heads, block_size, _ = k_cache.shape
+        group = num_q_heads // num_kv_heads
+        per_chunk = max(1, min(block_rows.shape[1], 128 // block_size))
+        num_chunks = -(-block_rows.shape[1] // per_chunk)
+        block_rows = jnp.pad(
+            block_rows, ((0, 0), (0, num_chunks * per_chunk - block_rows.shape[1]))
+        )
+        tokens = per_chunk * block_size
+        qg = q.reshape(n, b, num_kv_heads, group, head_dim)
+
+        def gather(cache, blocks):
+            pages = cache[blocks].transpose(0, 2, 1, 3, 4)
+            return pages.reshape(n, num_kv_heads, tokens, head_dim)
+
+        def step(c, carry):
+            m, denom, acc = carry
+            blocks = jax.lax.dynamic_slice_in_dim(block_rows, c * per_chunk, per_chunk, 1)
+            key_pos = c * tokens + jnp.arange(tokens, dtype=jnp.int32)
+            visible = key_pos <= positions[..., None]
+            k = gather(k_cache, blocks)
+            v = jnp.where(jnp.any(visible, axis=1)[:, None, :, None], gather(v_cache, blocks), 0)
+            s = jnp.einsum("nbhgd,nhkd->nhgbk", qg, k, preferred_element_type=jnp.float32) * scale
+            mask = visible[:, None, None, :, :]
+            s = jnp.where(mask, s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            denom = denom * alpha + jnp.sum(p, axis=-1)
+            acc = acc * alpha[..., None] + jnp.einsum("nhgbk,nhkd->nhgbd", p, v.astype(jnp.float32))
+            return m_new, denom, acc
+
+        last = jnp.max(jnp.where(positions >= 0, positions, -1)) // tokens
+        init = (
+            jnp.full((n, num_kv_heads, group, b), -jnp.inf, jnp.float32),
+            jnp.zeros((n, num_kv_heads, group, b), jnp.float32),
+            jnp.zeros((n, num_kv_heads, group, b, head_dim), jnp.float32),
+        )
+        _, denom, acc = jax.lax.fori_loop(0, last + 1, step, init)
+        o = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+        return o.transpose(0, 3, 1, 2, 4).reshape(n, b, num_q_heads, head_dim)
+
+    def tile_groups(q, k_cache, v_cache, tables, seq, pos, per_group, scale):
+        n, b, num_q_heads, head_dim = q.shape
+        chunk = min(per_group, n)
+        pad = -(-n // chunk) * chunk - n
+        q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(
+            -1, chunk, b, num_q_heads, head_dim
+        )
+        seq_p = jnp.pad(seq, (0, pad)).reshape(-1, chunk)
+        pos_p = jnp.pad(pos, ((0, pad), (0, 0)), constant_values=-1).reshape(-1, chunk, b)
+        o = jax.lax.map(
+            lambda a: attend_rows(a[0], k_cache, v_cache, tables[a[1]], a[2], scale),
+            (q_p, seq_p, pos_p),
+        )
+        return o.reshape(-1, b, num_q_heads, head_dim)[:n]
+
+    @partial(jax.jit, static_argnames="scale")
+    def paged_attention(q, k_cache, v_cache, tables, seq_lens, *, scale):
+        seq = jnp.arange(seq_lens.shape[0], dtype=jnp.int32)
+        o = tile_groups(
+            q[:, None], k_cache, v_cache, tables, seq, (seq_lens - 1)[:, None], 16, scale
+        )
+        return o[:, 0].astype(q.dtype)
+
+    @partial(jax.jit, static_argnames="scale")
+    def ragged_paged_attention(q, k_cache, v_cache, tables, seq_lens, query_start_loc, *, scale):
+        num_tokens = q.shape[0]
+        seq, row, pos = reference.query_tiles(query_start_loc, seq_lens, num_tokens, 8)
+        q_t = q.at[row].get(mode="fill", fill_value=0)
+        o = tile_groups(q_t, k_cache, v_cache, tables, seq, pos, 2, scale)
+        out = jnp.zeros((num_tokens,) + q.shape[1:], jnp.float32)
+        out = out.at[row.reshape(-1)].set(o.reshape((-1,) + q.shape[1:]), mode="drop")
+        return out.astype(q.dtype)
+
+    return paged_attention, ragged_paged_attention
+
+
 def run_cpu_attention(args) -> int:
-    """Times ``reference.paged_attention`` on the CPU backend: effective GB/s (the K/V
-    bytes the call must read, ``roofline.decode_traffic``, over the median time) beside
-    this machine's measured read bandwidth, per cell and dtype. Writes --output."""
+    """Times ``reference.paged_attention`` (decode cells) and ``ragged_paged_attention``
+    (prefill cells) on the CPU backend, beside the previous implementation in the same
+    rounds: effective GB/s (the K/V bytes of the live context, ``roofline``, over the
+    median time) beside this machine's measured read bandwidth, per cell, dtype and
+    implementation, and the previous/reference time ratio per round. Writes --output."""
     import os
     import statistics
 
@@ -555,28 +656,48 @@ def run_cpu_attention(args) -> int:
             host_bandwidth=host_bandwidth(
                 HOST_BANDWIDTH_BYTES >> 5 if args.cpu_tiny else HOST_BANDWIDTH_BYTES
             ),
-            impl="pallas_kernels.reference.paged_attention (jitted, one call per sample)",
-            timing=dict(repeats=args.repeats, statistic="median (min, max) after one warm-up"),
+            impls=dict(
+                reference="pallas_kernels.reference (jitted, one call per sample)",
+                previous="bench_kernels.previous_reference: the reference before the CPU "
+                "restructure, timed in the same rounds",
+            ),
+            timing=dict(
+                repeats=args.repeats,
+                statistic="median (min, max) after one warm-up; implementations alternate "
+                "call by call in rotated order",
+            ),
             gb_per_s="kv_bytes / median_s / 1e9",
             python=sys.version.split()[0],
+            speedups=[],
         ),
     )
     bw = report.data["host_bandwidth"]["sum_read_gb_per_s"]
     num_blocks = 64 if args.cpu_tiny else CPU_POOL_BLOCKS
+    prev_decode, prev_ragged = previous_reference()
     with jax.default_device(cpu):
-        for name, num_seqs, (lo, hi), num_q, num_kv, head_dim in cells:
+        for name, num_seqs, (lo, hi), q_len, num_q, num_kv, head_dim in cells:
             rng = np.random.default_rng(0)
             contexts = [int(c) for c in rng.integers(lo, hi + 1, num_seqs)]
             tables, lens = make_tables(rng, contexts, num_blocks)
             shape = pk.kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv, head_dim)
             base = [rng.standard_normal(shape, np.float32) for _ in range(2)]
-            q32 = rng.standard_normal((num_seqs, num_q, head_dim), np.float32)
+            q32 = rng.standard_normal((num_seqs * q_len, num_q, head_dim), np.float32)
+            qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_len
+            scale = head_dim**-0.5
+            if q_len == 1:
+                impls = dict(reference=reference.paged_attention, previous=prev_decode)
+            else:
+                impls = dict(
+                    reference=partial_qsl(reference.ragged_paged_attention, qsl),
+                    previous=partial_qsl(prev_ragged, qsl),
+                )
             for dtype_name in CPU_ATTENTION_DTYPES:
                 dtype = jnp.dtype(dtype_name)
                 k_cache, v_cache = (jnp.asarray(a, dtype) for a in base)
                 q = jnp.asarray(q32, dtype)
-                traffic = roofline.decode_traffic(
+                traffic = roofline.attention_traffic(
                     contexts,
+                    [q_len] * num_seqs,
                     num_q_heads=num_q,
                     num_kv_heads=num_kv,
                     head_dim=head_dim,
@@ -584,47 +705,83 @@ def run_cpu_attention(args) -> int:
                     cache_itemsize=dtype.itemsize,
                     q_itemsize=dtype.itemsize,
                 )
-                scale = head_dim**-0.5
-                # Already jitted (scale static): one compile per cell and dtype.
                 operands = (q, k_cache, v_cache, tables, lens)
-                jax.block_until_ready(reference.paged_attention(*operands, scale=scale))
-                samples = []
-                for _ in range(args.repeats):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(reference.paged_attention(*operands, scale=scale))
-                    samples.append(time.perf_counter() - t0)
-                median_s = statistics.median(samples)
-                gbps = traffic.kv_bytes / median_s / 1e9
-                row = dict(
-                    cell=name,
-                    dtype=dtype_name,
-                    num_seqs=num_seqs,
-                    context_tokens_mean=float(np.mean(contexts)),
-                    num_q_heads=num_q,
-                    num_kv_heads=num_kv,
-                    head_dim=head_dim,
-                    block_size=BLOCK_SIZE,
-                    pool_blocks=num_blocks,
-                    kv_bytes=traffic.kv_bytes,
-                    total_bytes=traffic.total_bytes,
-                    median_s=median_s,
-                    min_s=min(samples),
-                    max_s=max(samples),
-                    samples_s=samples,
-                    gb_per_s=gbps,
-                    gb_per_s_at_min=traffic.kv_bytes / min(samples) / 1e9,
-                    fraction_of_host_read_bandwidth=gbps / bw,
+                samples = {impl: [] for impl in CPU_IMPLS}
+                outs = {}
+                for impl in CPU_IMPLS:  # warm-up (compile), and the outputs to compare
+                    outs[impl] = np.asarray(impls[impl](*operands, scale=scale), np.float32)
+                for r in range(args.repeats):
+                    for impl in CPU_IMPLS[r % 2 :] + CPU_IMPLS[: r % 2]:
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(impls[impl](*operands, scale=scale))
+                        samples[impl].append(time.perf_counter() - t0)
+                diff = float(np.max(np.abs(outs["reference"] - outs["previous"])))
+                for impl in CPU_IMPLS:
+                    got = samples[impl]
+                    median_s = statistics.median(got)
+                    gbps = traffic.kv_bytes / median_s / 1e9
+                    report.add(
+                        dict(
+                            cell=name,
+                            impl=impl,
+                            dtype=dtype_name,
+                            num_seqs=num_seqs,
+                            q_len=q_len,
+                            context_tokens_mean=float(np.mean(contexts)),
+                            num_q_heads=num_q,
+                            num_kv_heads=num_kv,
+                            head_dim=head_dim,
+                            block_size=BLOCK_SIZE,
+                            pool_blocks=num_blocks,
+                            kv_bytes=traffic.kv_bytes,
+                            total_bytes=traffic.total_bytes,
+                            median_s=median_s,
+                            min_s=min(got),
+                            max_s=max(got),
+                            samples_s=got,
+                            gb_per_s=gbps,
+                            gb_per_s_at_min=traffic.kv_bytes / min(got) / 1e9,
+                            fraction_of_host_read_bandwidth=gbps / bw,
+                        )
+                    )
+                    print(
+                        f"cpu attention {name:18s} {dtype_name:8s} {impl:9s} "
+                        f"{1e3 * median_s:8.2f} ms ({1e3 * min(got):.2f}-{1e3 * max(got):.2f}) "
+                        f"{gbps:6.2f} GB/s (host sum read {bw:.1f} GB/s)",
+                        flush=True,
+                    )
+                ratios = [p / c for p, c in zip(samples["previous"], samples["reference"])]
+                report.data["speedups"].append(
+                    dict(
+                        cell=name,
+                        dtype=dtype_name,
+                        previous_over_reference_median=statistics.median(samples["previous"])
+                        / statistics.median(samples["reference"]),
+                        per_round_ratio_min=min(ratios),
+                        per_round_ratio_median=statistics.median(ratios),
+                        per_round_ratio_max=max(ratios),
+                        max_abs_output_difference=diff,
+                    )
                 )
-                report.add(row)
+                report.flush()
                 print(
-                    f"cpu attention {name:16s} {dtype_name:8s} {1e3 * median_s:8.2f} ms "
-                    f"({1e3 * min(samples):.2f}-{1e3 * max(samples):.2f}) {gbps:6.2f} GB/s "
-                    f"(host sum read {bw:.1f} GB/s)",
+                    f"cpu attention {name:18s} {dtype_name:8s} previous/reference "
+                    f"{report.data['speedups'][-1]['previous_over_reference_median']:.2f}x "
+                    f"(per round {min(ratios):.2f}-{max(ratios):.2f}), max |diff| {diff:.1e}",
                     flush=True,
                 )
                 del k_cache, v_cache
     print(f"wrote {report.path}")
     return 0
+
+
+def partial_qsl(ragged, query_start_loc):
+    """A ragged attention with its query starts bound: the decode cells' call signature."""
+
+    def call(q, k_cache, v_cache, tables, seq_lens, *, scale):
+        return ragged(q, k_cache, v_cache, tables, seq_lens, query_start_loc, scale=scale)
+
+    return call
 
 
 def print_plan(args) -> None:

@@ -1,5 +1,6 @@
-"""bench_kernels --cpu-attention: the CPU reference decode attention's effective GB/s,
-beside the host's measured read bandwidth, in JSON with its command."""
+"""bench_kernels --cpu-attention: the CPU reference attention's effective GB/s, beside the
+host's measured read bandwidth and the previous implementation timed in the same rounds,
+in JSON with its command."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ def test_cpu_attention_mode_reports_gb_per_s_as_bytes_over_median_time(tmp_path)
         itemsize = 4 if r["dtype"] == "float32" else 2
         keys = round(r["context_tokens_mean"] * r["num_seqs"])
         assert r["kv_bytes"] == 2 * keys * r["num_kv_heads"] * r["head_dim"] * itemsize
+    # Both implementations in every cell and dtype (a decode and a prefill cell), and one
+    # side-by-side ratio each, from the same rounds.
+    assert {r["impl"] for r in rows} == {"reference", "previous"}
+    cells = {(r["cell"], r["dtype"]) for r in rows}
+    assert {r["q_len"] for r in rows} == {1, 8}
+    speedups = report["speedups"]
+    assert {(x["cell"], x["dtype"]) for x in speedups} == cells and len(speedups) == len(cells)
+    for x in speedups:
+        by_impl = {r["impl"]: r for r in rows if (r["cell"], r["dtype"]) == (x["cell"], x["dtype"])}
+        want = by_impl["previous"]["median_s"] / by_impl["reference"]["median_s"]
+        assert abs(x["previous_over_reference_median"] - want) < 1e-9 * want
+        assert x["per_round_ratio_min"] <= x["per_round_ratio_median"] <= x["per_round_ratio_max"]
+        assert x["max_abs_output_difference"] < 0.05  # the same attention, up to rounding

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +15,8 @@ from pk_testing import assert_close, make_case, naive_attention
 
 import pallas_kernels as pk
 from pallas_kernels import reference
+
+BENCH_SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 CONFIGS = [  # block_size, num_kv_heads, group, head_dim, dtype, sliding_window, soft_cap
     pytest.param(8, 2, 1, 64, "float32", None, None, id="bs8-mha-d64-f32"),
@@ -192,3 +199,101 @@ def test_reference_ragged_long_chunks_match_naive(window):
     )
     assert_close(out, naive_attention(case, scale=0.2, sliding_window=window), "float32")
     assert np.all(np.asarray(out[sum(q_lens) :]) == 0)  # padding rows
+
+
+def _pool_sized_f32_arrays(hlo_text: str, pool_elements: int) -> list[str]:
+    """Instructions outside fusion bodies whose result is an f32 array of at least
+    ``pool_elements`` elements: a whole cache pool widened to f32 and materialised."""
+    fused = set(re.findall(r" fusion\(.*?calls=%([\w.\-]+)", hlo_text))
+    hits, body = [], None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(", line)
+        if head:
+            body = head.group(1)
+            continue
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = f32\[([\d,]+)\]", line)
+        if m and body not in fused and math.prod(map(int, m.group(2).split(","))) >= pool_elements:
+            hits.append(line.strip()[:160])
+    return hits
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float16", "float8_e4m3fn"])
+@pytest.mark.parametrize("ragged", [False, True], ids=["decode", "ragged"])
+def test_reference_never_widens_the_whole_pool(cache_dtype, ragged):
+    # A narrow cache is widened page by page, after the gather: a program that converts
+    # the whole pool to f32 costs time in proportion to the pool, not to the context.
+    # Enough sequences (and query tiles) for several row groups, so the loops are real.
+    num_blocks, kv_heads, bs, d, num_seqs = 512, 2, 16, 32, 80
+    k_cache = jnp.zeros((num_blocks, kv_heads, bs, d), cache_dtype)
+    q_dtype = jnp.bfloat16 if cache_dtype.startswith("float8") else cache_dtype
+    q = jnp.zeros((num_seqs, 2 * kv_heads, d), q_dtype)
+    tables = (jnp.arange(num_seqs * 6, dtype=jnp.int32) % (num_blocks - 1) + 1).reshape(num_seqs, 6)
+    lens = jnp.arange(num_seqs, dtype=jnp.int32) % 96 + 1
+    if ragged:
+        qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32)
+        lowered = reference.ragged_paged_attention.lower(
+            q, k_cache, k_cache, tables, lens, qsl, scale=0.1
+        )
+    else:
+        lowered = reference.paged_attention.lower(q, k_cache, k_cache, tables, lens, scale=0.1)
+    hits = _pool_sized_f32_arrays(lowered.compile().as_text(), num_blocks * kv_heads * bs * d)
+    assert not hits, hits
+
+
+def _previous_reference():
+    """The reference before the CPU restructure, as bench_kernels keeps it for its
+    side-by-side (decode and ragged; no window, soft cap or fp8)."""
+    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.previous_reference()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_decode_many_groups_matches_naive_and_previous(dtype):
+    # More sequences than one row group, lengths out of order (ties, empty rows in the
+    # middle): sorting into groups and back must give every row its own output.
+    rng = np.random.default_rng(3)
+    seq_lens = [int(x) for x in rng.integers(1, 70, 75)]
+    seq_lens[5] = seq_lens[40] = 0
+    seq_lens[7] = seq_lens[8] = 33
+    case = make_case(
+        12, seq_lens=seq_lens, block_size=8, num_kv_heads=2, group=2, head_dim=32, dtype=dtype
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = reference.paged_attention(*args, scale=0.2)
+    assert_close(out, naive_attention(case, scale=0.2), dtype)
+    assert not np.asarray(out[5].astype(jnp.float32)).any()
+    previous, _ = _previous_reference()
+    got = np.asarray(out.astype(jnp.float32))
+    want = np.asarray(previous(*args, scale=0.2).astype(jnp.float32))
+    # Same math in the same chunk order: f32 differs by summation order only; bf16
+    # outputs by at most one rounding step.
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == "float32" else dict(atol=8e-3, rtol=8e-3)
+    np.testing.assert_allclose(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_ragged_matches_previous(dtype):
+    q_lens = [37, 1, 0, 2, 18, 1, 16, 3]
+    seq_lens = [37, 140, 0, 2, 50, 17, 33, 64]
+    case = make_case(
+        8,
+        seq_lens=seq_lens,
+        q_lens=q_lens,
+        num_rows=sum(q_lens) + 5,
+        block_size=16,
+        num_kv_heads=2,
+        group=4,
+        head_dim=32,
+        dtype=dtype,
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens)
+    out = reference.ragged_paged_attention(*args, case.query_start_loc, scale=0.2)
+    assert_close(out, naive_attention(case, scale=0.2), dtype)
+    _, previous = _previous_reference()
+    want = previous(*args, case.query_start_loc, scale=0.2)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == "float32" else dict(atol=8e-3, rtol=8e-3)
+    np.testing.assert_allclose(
+        np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)), **tol
+    )
