@@ -13,7 +13,7 @@ from paged_jax import Engine, EngineConfig, SamplingParams
 from paged_jax.models import load_model
 from paged_jax.models.layer_scan import ids_in_every_tensor, plan_layer_scan, shift_to_tensor
 from paged_jax.models.simple_paged import make_attn_metadata
-from paged_jax.worker.runner import num_backend_compiles
+from paged_jax.worker.runner import num_backend_compiles, scans_layers
 
 # Gemma 3 with 5 layers alternating window/full: period 2, two scan steps, one tail layer.
 GEMMA3_TAIL = dict(
@@ -120,7 +120,9 @@ def test_scanned_engine_equals_unrolled(family, overrides, engine_kw, tiny_hf_ch
 
 def test_owned_model_layers_are_freed_and_kept_otherwise(tiny_hf_checkpoint):
     path = tiny_hf_checkpoint("llama", num_hidden_layers=3)
-    kw = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    kw = dict(
+        block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, scan_layers=True
+    )
     kept = load_model(path)
     Engine(kept, EngineConfig(**kw))
     assert not any(x.is_deleted() for x in jax.tree.leaves(kept))
@@ -129,3 +131,14 @@ def test_owned_model_layers_are_freed_and_kept_otherwise(tiny_hf_checkpoint):
     layer_arrays = jax.tree.leaves(list(owned.layers))
     assert layer_arrays and all(x.is_deleted() for x in layer_arrays)
     assert not owned.embed_tokens.embedding[...].is_deleted()
+
+
+def test_scan_layers_setting():
+    assert EngineConfig(scan_layers=True).scan_layers == "on"
+    assert EngineConfig(scan_layers=False).scan_layers == "off"
+    assert scans_layers(EngineConfig(scan_layers="on"))
+    assert not scans_layers(EngineConfig(scan_layers="off"))
+    # auto: unrolled on CPU (XLA copies each layer's weight slice out of the stack there).
+    assert scans_layers(EngineConfig()) == (jax.default_backend() != "cpu")
+    with pytest.raises(ValueError, match="scan_layers='yes'.*'auto', 'on', 'off'"):
+        EngineConfig(scan_layers="yes")

@@ -91,13 +91,20 @@ def results(checkpoints, prompts, tmp_path_factory):
     """One subprocess on 8 CPU devices runs every (family, N); returns its JSON."""
     spec = []
     for family, (_, runs) in RUNS.items():
-        for tp, mode, backend in runs:
+        for i, (tp, mode, backend) in enumerate(runs):
+            # Every other run scans its layers (stacked weights and KV sharded under TP).
+            scan = "on" if i % 2 == 0 else "off"
             spec.append(
                 dict(
                     name=_name(family, tp),
                     path=str(checkpoints[family]),
                     tensor_parallel_size=tp,
-                    engine={**ENGINE, "preemption_mode": mode, "attention_backend": backend},
+                    engine={
+                        **ENGINE,
+                        "preemption_mode": mode,
+                        "attention_backend": backend,
+                        "scan_layers": scan,
+                    },
                     prompts=prompts,
                     max_tokens=MAX_NEW,
                     sampling_seeds=SEEDS if family == "llama" else [],
