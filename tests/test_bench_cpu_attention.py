@@ -52,5 +52,7 @@ def test_cpu_attention_mode_reports_gb_per_s_as_bytes_over_median_time(tmp_path)
         by_impl = {r["impl"]: r for r in rows if (r["cell"], r["dtype"]) == (x["cell"], x["dtype"])}
         want = by_impl["previous"]["median_s"] / by_impl["reference"]["median_s"]
         assert abs(x["previous_over_reference_median"] - want) < 1e-9 * want
+        fastest = min(by_impl["previous"]["samples_s"]) / min(by_impl["reference"]["samples_s"])
+        assert abs(x["previous_over_reference_min"] - fastest) < 1e-9 * fastest
         assert x["per_round_ratio_min"] <= x["per_round_ratio_median"] <= x["per_round_ratio_max"]
         assert x["max_abs_output_difference"] < 0.05  # the same attention, up to rounding
