@@ -556,6 +556,26 @@ def _spread(values: list[float]) -> dict:
     }
 
 
+def _source() -> dict:
+    """The code measured: the checkout's commit and whether tracked files differ from it
+    (outside a git checkout, e.g. a `git archive` export, $BENCH_SOURCE_COMMIT)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        commit = None
+    if commit is None or commit.returncode:
+        return {"commit": os.environ.get("BENCH_SOURCE_COMMIT"), "export": True}
+    return {"commit": commit.stdout.strip(), "uncommitted_changes": bool(dirty.stdout.strip())}
+
+
 def _device_info() -> dict:
     return {
         "platform": platform.platform(),
@@ -672,6 +692,7 @@ def build_report(
     return {
         "command": " ".join(["python", "scripts/bench_engine.py", *(sys.argv[1:])]),
         "machine": _device_info(),
+        "source": _source(),
         "model": {
             "checkpoint": args.model or f"random Llama, preset {args.model_preset}",
             "config": plan.model_config,
