@@ -1,10 +1,12 @@
-"""JAX's persistent compilation cache: where it lives and how to turn it on or off.
+"""The compile cache: where it lives and how to turn it on or off.
 
-A second run of the same model and engine settings then loads every step bucket's
-executable from disk instead of compiling it (see README: cold vs warm start).
-PAGED_JAX_COMPILE_CACHE=0 (or off/false/no) disables it; any other value but 1/on
-is taken as the directory. Default: <user cache dir>/jax_compile_cache, where the
-user cache dir is $PAGED_JAX_CACHE or ~/.cache/paged_jax.
+It holds JAX's persistent compilation cache and, in its ``executables`` folder, the
+engine's serialized step programs (paged_jax.worker.executable_cache), so a second run of
+the same model and engine settings loads every program instead of tracing, lowering and
+compiling it (see README: cold vs warm start). PAGED_JAX_COMPILE_CACHE=0 (or
+off/false/no) turns both off; any other value but 1/on is taken as the directory.
+Default: <user cache dir>/jax_compile_cache, where the user cache dir is
+$PAGED_JAX_CACHE or ~/.cache/paged_jax.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import pathlib
 
 ENV_VAR = "PAGED_JAX_COMPILE_CACHE"
+EXECUTABLES_SUBDIR = "executables"
 _OFF = ("0", "off", "false", "no")
 _ON = ("1", "on", "true", "yes")
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -88,3 +91,8 @@ def enable_compile_cache(path: str | os.PathLike) -> pathlib.Path:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def executable_cache_dir(cache_dir: str | os.PathLike | None) -> pathlib.Path | None:
+    """Where the serialized step programs of a compile cache directory live (None: off)."""
+    return None if cache_dir is None else pathlib.Path(cache_dir) / EXECUTABLES_SUBDIR

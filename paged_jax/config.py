@@ -7,18 +7,21 @@ import dataclasses
 # Re-exported: callers import these from paged_jax.config; their home is paged_jax.constants.
 from paged_jax.constants import (
     ATTENTION_BACKENDS,
+    COARSE_TOKEN_BUCKETS_UP_TO,
     DTYPES,
     HASH_ALGOS,
     KV_CACHE_DTYPES,
     MIN_SEQ_BUCKET,
     MIN_TOKEN_BUCKET,
     PREEMPTION_MODES,
+    SCAN_LAYERS,
     SCHEDULING_POLICIES,
     AttentionBackend,
     Dtype,
     HashAlgo,
     KVCacheDtype,
     PreemptionMode,
+    ScanLayers,
     SchedulingPolicy,
     cdiv,
     fail,
@@ -27,13 +30,14 @@ from paged_jax.constants import (
 )
 
 
-def _power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from `smallest` while below `largest`, then `largest` itself."""
+def _power_of_two_buckets(smallest: int, largest: int, coarse_up_to: int = 0) -> tuple[int, ...]:
+    """Powers of two from `smallest` while below `largest`, then `largest` itself; below
+    `coarse_up_to` every other power is skipped (4x steps)."""
     buckets = []
     b = smallest
     while b < largest:
         buckets.append(b)
-        b *= 2
+        b *= 4 if b < coarse_up_to else 2
     buckets.append(largest)
     return tuple(buckets)
 
@@ -78,6 +82,12 @@ class EngineConfig:
         validate: debug: range-check block ids, slot mappings, lengths and copy pairs
             on device in every step (checkify); a bad id raises instead of reading or
             writing the wrong block. Costs a sync and extra compiles; tests turn it on.
+        scan_layers: "on" runs layers that repeat (every layer, or Gemma's window/full
+            pattern) as one lax.scan over stacked weights, so a step's program and its
+            compile time do not grow with depth (paged_jax.models.layer_scan); "off"
+            unrolls them; "auto" scans on accelerators and unrolls on CPU, where XLA
+            copies each layer's weight slice out of the stack every step (docs/models.md).
+            True/False are taken as "on"/"off".
     """
 
     block_size: int = 16
@@ -97,6 +107,7 @@ class EngineConfig:
     async_scheduling: bool = True
     tensor_parallel_size: int = 1
     validate: bool = False
+    scan_layers: ScanLayers = "auto"
 
     def __post_init__(self) -> None:
         if (
@@ -130,6 +141,8 @@ class EngineConfig:
             not is_int(self.max_model_len) or self.max_model_len < 2
         ):
             fail(self, "max_model_len", "None or an int >= 2")
+        if isinstance(self.scan_layers, bool):  # LLM(scan_layers=True) reads naturally
+            object.__setattr__(self, "scan_layers", "on" if self.scan_layers else "off")
         for name in ("enable_prefix_caching", "async_scheduling", "validate"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
@@ -140,6 +153,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("hash_algo", HASH_ALGOS),
+            ("scan_layers", SCAN_LAYERS),
         ):
             if getattr(self, name) not in allowed:
                 fail(self, name, f"one of {allowed}")
@@ -157,26 +171,36 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded num_tokens sizes: powers of two from 16 up to max_num_batched_tokens."""
+        """Padded num_tokens sizes: 16, 64, 256, then powers of two, up to
+        max_num_batched_tokens (4x steps up to COARSE_TOKEN_BUCKETS_UP_TO, then 2x).
+
+        A step's program is chosen by its token count alone (step_shapes), so this tuple is
+        also the list of programs warm-up builds.
+        """
         return _power_of_two_buckets(
-            min(MIN_TOKEN_BUCKET, self.max_num_batched_tokens), self.max_num_batched_tokens
+            min(MIN_TOKEN_BUCKET, self.max_num_batched_tokens),
+            self.max_num_batched_tokens,
+            COARSE_TOKEN_BUCKETS_UP_TO,
         )
 
     @property
     def seq_buckets(self) -> tuple[int, ...]:
-        """Padded num_seqs sizes: 8, 16, 32, ... up to max_num_seqs."""
+        """Padded num_seqs sizes: 8, 16, 32, ... up to max_num_seqs (see seq_bucket)."""
         return _power_of_two_buckets(min(MIN_SEQ_BUCKET, self.max_num_seqs), self.max_num_seqs)
 
+    def seq_bucket(self, num_tokens_bucket: int) -> int:
+        """The padded num_seqs of every step in token bucket T: the seq bucket of min(T,
+        max_num_seqs). A step has at least one token per sequence, so it always fits."""
+        return bucket_for(min(num_tokens_bucket, self.max_num_seqs), self.seq_buckets)
+
     def step_shapes(self) -> list[tuple[int, int]]:
-        """Every (num_tokens, num_seqs) bucket pair a step can have (num_seqs <= num_tokens)."""
-        shapes = []
-        for t in self.token_buckets:
-            for s in self.seq_buckets:
-                # A step has at least one token per sequence, so S is at most the
-                # bucket that holds T sequences.
-                if s <= t or s == self.seq_buckets[0]:
-                    shapes.append((t, s))
-        return shapes
+        """The (num_tokens, num_seqs) shape of every step program: one per token bucket.
+
+        The sequence dimension follows from the token bucket (seq_bucket), as vLLM sizes
+        its CUDA graphs by token count alone: a T x S grid would compile every pair,
+        while padding a step's sequence dimension costs little next to its tokens.
+        """
+        return [(t, self.seq_bucket(t)) for t in self.token_buckets]
 
 
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:

@@ -22,6 +22,8 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "auto" = the model dtype; "fp8" is vLLM's alias of "fp8_e4m3".
 KVCacheDtype = Literal["auto", "fp8", Fp8KVCacheDtype]
 HashAlgo = Literal["sha256", "xxhash"]
+# "auto" = scan on accelerators, unrolled on CPU (EngineConfig.scan_layers).
+ScanLayers = Literal["auto", "on", "off"]
 
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
@@ -30,8 +32,12 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 KV_CACHE_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
+SCAN_LAYERS: tuple[str, ...] = get_args(ScanLayers)
 
 MIN_TOKEN_BUCKET = 16
+# Token buckets grow 4x up to here, then 2x: padding a small step costs little (on a GPU
+# it stays bound by reading the weights), so small steps share fewer programs.
+COARSE_TOKEN_BUCKETS_UP_TO = 256
 MIN_SEQ_BUCKET = 8
 # The most bytes of text one token is assumed to cover (the longest tokens of common
 # vocabularies, runs of spaces or dashes, are shorter). A text prompt of more than

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import os
 import statistics
 import threading
 import time
@@ -34,6 +35,12 @@ from paged_jax.model_api import check_paged_model, model_kv_cache_groups
 from paged_jax.outputs import EngineOutput
 from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.worker.executable_cache import (
+    ExecutableCache,
+    WarmupReport,
+    model_identity,
+    program_context,
+)
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
 
@@ -158,8 +165,17 @@ class Engine:
             model does; see docs/research_integration.md for your own).
         config: engine settings; max_model_len None takes the model's.
         detokenize: optional token ids -> text function, needed for stop strings.
+        owns_model: hand the model over: the runner frees its per-layer weights once it
+            has stacked them for the scan over layers (EngineConfig.scan_layers), so they
+            are not held twice; the model's layers cannot run afterwards. LLM passes True
+            for the models it loads itself.
+        executable_cache_dir: where warmup() saves its compiled programs and a later
+            engine with the same key loads them (paged_jax.worker.executable_cache);
+            None keeps them in memory. LLM passes <compile cache dir>/executables.
 
     Attributes:
+        warmup_report: what warmup() built (programs compiled or loaded, seconds per
+            phase; a ``WarmupReport``), None before it.
         phase_clock: the clock (seconds) the host phases of ``get_stats()
             ["host_phase_time_ms"]`` are timed with; ``time.perf_counter`` (wall) by
             default. A benchmark on a shared machine sets ``time.thread_time`` to count
@@ -178,6 +194,8 @@ class Engine:
         config: EngineConfig | None = None,
         *,
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        owns_model: bool = False,
+        executable_cache_dir: str | os.PathLike | None = None,
     ):
         check_paged_model(model)
         config = config or EngineConfig()
@@ -198,7 +216,11 @@ class Engine:
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
-        self.runner = Runner(model, config)
+        # Read before the runner may take the model's layers over.
+        self._model_identity = model_identity(model)
+        self._executable_cache_dir = executable_cache_dir
+        self.warmup_report: WarmupReport | None = None
+        self.runner = Runner(model, config, owns_model=owns_model)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.block_size,
@@ -929,16 +951,25 @@ class Engine:
 
     # ------------------------------------------------------------ warmup + stats
     @_serialised
-    def warmup(self, on_bucket: Callable[[int, int, tuple[int, int]], None] | None = None) -> int:
-        """Compiles the step for every (num_tokens, num_seqs) bucket; returns the count.
+    def warmup(self, on_program: Callable[[int, int, str, str], None] | None = None) -> int:
+        """Builds every step program serving can call; returns how many it built.
 
-        on_bucket: optional progress callback (i, num_buckets, (num_tokens, num_seqs)).
+        One program per token bucket (EngineConfig.step_shapes), a decode-only one for
+        each bucket decode steps reach, and the block copy: each loaded
+        from the executable cache when it holds it, else compiled (and saved there).
+        Afterwards no step compiles. ``warmup_report`` says what was done and how long
+        each phase took.
+
+        on_program: optional progress callback (i, num_programs, name, action), action
+            "loading" or "compiling".
         """
         shapes = self.config.step_shapes()
         steps = [self.input_batch.dummy_step_input(t, s) for t, s in shapes]
-        self.runner.warmup(steps, on_bucket)
+        context = program_context(self._model_identity, self.config, self.runner.num_kv_blocks)
+        cache = ExecutableCache(self._executable_cache_dir, context)
+        self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
         self._compiles_after_warmup = num_backend_compiles()
-        return len(shapes)
+        return len(self.warmup_report.programs)
 
     @_serialised
     def reset_peak_stats(self) -> None:

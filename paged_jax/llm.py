@@ -22,7 +22,11 @@ from typing import Any
 
 from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from paged_jax.chat_template import ChatTemplate, check_messages
-from paged_jax.compile_cache import enable_compile_cache, resolve_compile_cache_dir
+from paged_jax.compile_cache import (
+    enable_compile_cache,
+    executable_cache_dir,
+    resolve_compile_cache_dir,
+)
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
 from paged_jax.engine import Engine
@@ -63,10 +67,12 @@ class LLM:
         tokenizer: for a model object only: a ``tokenizers.Tokenizer`` or a path to a
             tokenizer.json; without one, prompts must be token ids.
         warmup: compile every step bucket at construction (so generate never compiles).
-        compile_cache: JAX's persistent compilation cache: False (default) leaves JAX's
-            setting alone, True uses $PAGED_JAX_COMPILE_CACHE or
-            ~/.cache/paged_jax/jax_compile_cache, a path chooses the directory.
-            PAGED_JAX_COMPILE_CACHE=0 turns it off whatever is passed.
+        compile_cache: JAX's persistent compilation cache and the engine's serialized
+            step programs (a warm start loads them: paged_jax.compile_cache): False
+            (default) leaves JAX's setting alone and keeps programs in memory, True uses
+            $PAGED_JAX_COMPILE_CACHE or ~/.cache/paged_jax/jax_compile_cache, a path
+            chooses the directory. PAGED_JAX_COMPILE_CACHE=0 turns it off whatever is
+            passed.
         chat_template: Jinja text overriding the checkpoint's chat template (LLM.chat).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
@@ -147,7 +153,11 @@ class LLM:
             tokenizer = Tokenizer.from_file(str(tokenizer))
         self.tokenizer = tokenizer
         self.engine = Engine(
-            self.model, config, detokenize=None if self.tokenizer is None else self.decode
+            self.model,
+            config,
+            detokenize=None if self.tokenizer is None else self.decode,
+            owns_model=model is None,  # a model loaded here is the engine's to consume
+            executable_cache_dir=executable_cache_dir(self.compile_cache_dir),
         )
         self.config = self.engine.config
         self._ids = itertools.count()

@@ -58,9 +58,12 @@ defaults: the CLI samples greedily (--temperature 0) and generates up to 32 toke
 the Python API's SamplingParams() defaults to temperature 1.0 and max_tokens 16, as
 vLLM's does.
 
-compile cache: JAX's persistent compilation cache is on, under
-$PAGED_JAX_CACHE/jax_compile_cache (default ~/.cache/paged_jax/jax_compile_cache);
---no-compile-cache or PAGED_JAX_COMPILE_CACHE=0 turns it off.
+compile cache: on, under $PAGED_JAX_CACHE/jax_compile_cache (default
+~/.cache/paged_jax/jax_compile_cache): JAX's persistent compilation cache, and in its
+executables/ folder the compiled step programs, which a second run with the same model,
+engine settings and package version loads instead of compiling (a "warm" start; the
+summary gives each phase of the start). --no-compile-cache or PAGED_JAX_COMPILE_CACHE=0
+turns both off.
 
 exit status: 0 all requests succeeded, 1 some requests failed (see their records),
 2 nothing was run (bad flag, unreadable or endless prompts, unwritable output, unusable
@@ -114,6 +117,10 @@ ENGINE_FLAGS = {
     "kv_cache_dtype": Flag("auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
     "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),
     "async_scheduling": Flag("read each step's tokens before scheduling the next (for debugging)"),
+    "scan_layers": Flag(
+        "run repeating layers as one scanned body (compile time independent of depth); "
+        "auto = on accelerators, off on CPU"
+    ),
     # --seed is the per-request SamplingParams.seed.
     "seed": Flag("seed for unseeded requests", name="engine-seed"),
 }
@@ -150,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="JAX compilation cache directory (None = ~/.cache/paged_jax/jax_compile_cache)",
     )
-    e.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
+    e.add_argument(
+        "--no-compile-cache", action="store_true", help="compile every step program afresh"
+    )
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar or load progress")
     return p
 
@@ -267,7 +276,7 @@ def _say(args: argparse.Namespace, message: str, end: str = "\n") -> None:
 
 
 def _load(args: argparse.Namespace, plan: _Plan):
-    """Builds the LLM with a progress line for loading and for each warm-up bucket."""
+    """Builds the LLM with a progress line for loading and for each warm-up program."""
     from paged_jax.llm import LLM
 
     t0 = time.perf_counter()
@@ -277,28 +286,44 @@ def _load(args: argparse.Namespace, plan: _Plan):
     )
     load_s = time.perf_counter() - t0
     cache = llm.compile_cache_dir or "off"
-    num = len(llm.config.step_shapes())
-    _say(args, f"loaded in {load_s:.1f} s; compiling {num} step buckets (compile cache: {cache})")
+    _say(args, f"loaded in {load_s:.1f} s; warm-up (compile cache: {cache})")
 
-    def progress(i: int, total: int, bucket: tuple[int, int]) -> None:
+    def progress(i: int, total: int, name: str, action: str) -> None:
         if not args.no_tqdm:
-            print(
-                f"\r  warm-up {i + 1}/{total}: tokens={bucket[0]} seqs={bucket[1]}   ",
-                file=sys.stderr,
-                end="",
-                flush=True,
-            )
+            line = f"\r  warm-up {i + 1}/{total}: {action} {name}"
+            print(line.ljust(64), file=sys.stderr, end="", flush=True)
 
     from paged_jax.compile_cache import cache_counts
 
     t0, before = time.perf_counter(), cache_counts()
     llm.engine.warmup(progress)
     warmup_s = time.perf_counter() - t0
-    plan.cache_use = {f"compile_cache_{k}": v - before[k] for k, v in cache_counts().items()}
+    # The compile cache's hits and misses: its step programs loaded and compiled, and
+    # JAX's persistent-cache events for whatever else warm-up compiled.
+    report = llm.engine.warmup_report
+    use = {k: v - before[k] for k, v in cache_counts().items()}
+    if report.cache_dir is not None:
+        use["hits"] += report.num_loaded
+        use["misses"] += report.num_compiled
+    plan.cache_use = {f"compile_cache_{k}": v for k, v in use.items()}
     if not args.no_tqdm:
         print(file=sys.stderr)
-    _say(args, f"warm-up done in {warmup_s:.1f} s")
+    _say(args, f"warm-up done in {warmup_s:.1f} s ({_warmup_line(report)})")
     return llm, load_s, warmup_s
+
+
+def _warmup_line(report) -> str:
+    """One line on how the programs came to be: "cold: 7 compiled (trace 1.2 s, ...)"."""
+    phases = report.phase_seconds()
+    parts = []
+    if report.num_compiled:
+        parts.append(
+            f"{report.num_compiled} compiled (trace {phases['trace_s']:.1f} s, lower "
+            f"{phases['lower_s']:.1f} s, compile {phases['compile_s']:.1f} s)"
+        )
+    if report.num_loaded:
+        parts.append(f"{report.num_loaded} loaded from the cache in {phases['load_s']:.1f} s")
+    return f"{report.start} start: " + ", ".join(parts)
 
 
 def _build_requests(llm, plan: _Plan) -> tuple[list[Any], list[SamplingParams], list[PromptLine]]:
@@ -465,6 +490,7 @@ def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, An
         "peak_kv_usage": round(stats["kv_cache_usage_peak"], 3),
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 3),
         "preemptions": stats["num_preemptions"],
+        **llm.engine.warmup_report.summary(),
         "warmup_compiles": stats["num_compiles"] - stats["num_compiles_after_warmup"],
         "compiles_after_warmup": stats["num_compiles_after_warmup"],
         "steps": stats["num_steps"],

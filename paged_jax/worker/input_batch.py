@@ -39,11 +39,12 @@ __all__ = ["PAD_SLOT_ID", "InputBatch", "ScheduledSeq", "StepInput", "decode_ste
 
 
 def decode_step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
-    """The (num_tokens, num_seqs) buckets a decode-only step can land in (n tokens, n seqs)."""
-    shapes = {
-        (bucket_for(n, config.token_buckets), bucket_for(n, config.seq_buckets))
-        for n in range(1, config.max_num_seqs + 1)
-    }
+    """The (num_tokens, num_seqs) shapes a decode-only step can have: n tokens for n
+    sequences, n <= max_num_seqs, so only the token buckets up to max_num_seqs's."""
+    shapes = set()
+    for n in range(1, config.max_num_seqs + 1):
+        t = bucket_for(n, config.token_buckets)
+        shapes.add((t, config.seq_bucket(t)))
     return sorted(shapes)
 
 
@@ -217,8 +218,10 @@ class InputBatch:
         decode_only = min(num_new_l) == 1 and max(num_new_l) == 1
         num_tokens = num_seqs if decode_only else int(num_new.sum())
         assert num_tokens <= cfg.max_num_batched_tokens, "scheduler broke the token budget"
+        # The program is chosen by the token count; its sequence dimension holds
+        # min(T, max_num_seqs) >= num_seqs rows (every sequence has a token).
         t_pad = bucket_for(num_tokens, cfg.token_buckets)
-        s_pad = bucket_for(num_seqs, cfg.seq_buckets)
+        s_pad = cfg.seq_bucket(t_pad)
 
         if decode_only:
             cu = self._one_to_n[:num_seqs]

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,13 @@ from paged_jax.config import EngineConfig
 from paged_jax.constants import NONFINITE_TOKEN_ID
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
+from paged_jax.models.layer_scan import (
+    StackedLayers,
+    ids_in_every_tensor,
+    plan_layer_scan,
+    split_without_layers,
+)
+from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
 from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
@@ -137,6 +145,15 @@ def resolve_num_kv_blocks(
     return cap_kv_blocks(int(num_blocks), kv_arrays)
 
 
+def scans_layers(config: EngineConfig) -> bool:
+    """Whether EngineConfig.scan_layers asks for the scan on this backend ("auto": not on
+    CPU, where the scan's per-step copy of each layer's weight slice costs more than the
+    compile time it saves on small models; docs/models.md)."""
+    if config.scan_layers == "auto":
+        return jax.default_backend() != "cpu"
+    return config.scan_layers == "on"
+
+
 def cap_kv_blocks(num_blocks: int, kv_arrays: Sequence[tuple[int, int]]) -> int:
     """num_blocks, lowered to the most blocks every KV array is addressed right with."""
     capped = min(
@@ -208,6 +225,18 @@ def record_tokens(row_tokens: jax.Array, sampled: jax.Array, sample_rows: jax.Ar
     return row_tokens.at[sample_rows].set(jnp.maximum(sampled, 0), mode="drop")
 
 
+def program_key(step: StepInput) -> tuple[int, int, bool]:
+    """What selects a step's program: its (num_tokens, num_seqs) shape and decode_only."""
+    num_tokens, num_seqs = step.bucket
+    return num_tokens, num_seqs, step.attention.decode_only
+
+
+def program_name(step: StepInput) -> str:
+    """A step program's name, as progress lines and cache entries show it."""
+    num_tokens, num_seqs, decode_only = program_key(step)
+    return f"step tokens={num_tokens} seqs={num_seqs}" + (" decode-only" if decode_only else "")
+
+
 class PendingStep:
     """A dispatched step whose sampler outputs are being copied to the host.
 
@@ -277,9 +306,19 @@ class Runner:
             step arguments; any other object is closed over by the jitted step.
         config: a resolved EngineConfig. With tensor_parallel_size > 1 the model's
             weights and the KV caches are split over a mesh (paged_jax.worker.sharding).
+            With scan_layers (scans_layers), a model whose layers repeat runs them as a lax.scan over
+            stacked weights and keeps its KV tensors in one stacked (K, V) pair
+            (paged_jax.models.layer_scan).
+        owns_model: the caller hands the model over: its per-layer weights are freed
+            once stacked for the scan, so they are not held twice (LLM does this for the
+            models it loads). False keeps the model usable as it was.
     """
 
-    def __init__(self, model: PagedModel, config: EngineConfig):
+    # The compiled programs warmup() built (None before it): program_key(step) -> that
+    # step's program, "copy" -> the block copy's. Dispatch calls these.
+    programs: dict[tuple[int, int, bool] | str, Any] | None = None
+
+    def __init__(self, model: PagedModel, config: EngineConfig, *, owns_model: bool = False):
         _install_compile_listener()
         self.config = config
         tp = config.tensor_parallel_size
@@ -291,14 +330,32 @@ class Runner:
             )
         self.tp = TensorParallel(model, tp) if tp > 1 else None
         model = model if self.tp is None else self.tp.model
+        # Layers that repeat run as one scanned body over stacked weights (built before
+        # the pool is sized from free memory, so a freed original leaves room for KV).
+        plan = plan_layer_scan(model) if scans_layers(config) else None
+        self.layer_scan: StackedLayers | None = (
+            None if plan is None else StackedLayers.from_model(model, plan, release=owns_model)
+        )
         # One device's share of a block: the pool is sized from per-device memory.
         self.bytes_per_block = int(model.kv_bytes_per_block(config.block_size, kv_dtype)) // tp
         arrays = kv_block_arrays(model, config.block_size, kv_dtype, tensor_parallel_size=tp)
+        if plan is not None:  # one array of num_tensors * num_blocks blocks per K and V
+            arrays = sorted({(elems * plan.num_tensors, size) for elems, size in arrays})
         self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block, arrays)
+        self.num_kv_tensors = 1 if plan is None else plan.num_tensors
+        stacked = self.layer_scan
+
+        def init_caches():
+            if stacked is None:
+                return model.init_kv_caches(self.num_kv_blocks, config.block_size, kv_dtype)
+            return stacked.init_kv_caches(model, self.num_kv_blocks, config.block_size, kv_dtype)
+
         if self.tp is None:
-            self.kv_caches = model.init_kv_caches(self.num_kv_blocks, config.block_size, kv_dtype)
+            self.kv_caches = init_caches()
         else:
-            self.kv_caches = self.tp.init_kv_caches(self.num_kv_blocks, config.block_size)
+            self.kv_caches = self.tp.init_kv_caches(
+                self.num_kv_blocks, config.block_size, init_caches
+            )
         # fp8: per-layer (k_scale, v_scale), a step argument (new values never recompile).
         # Per layer, not per KV tensor (hybrid-group models share tensors between layers).
         self._num_layers = int(model.config.num_hidden_layers)
@@ -312,17 +369,23 @@ class Runner:
         if self.tp is not None:  # the kernels run per shard, on each device's heads
             backend = self.tp.attention_ops(backend)
         gather = (lambda x: x) if self.tp is None else self.tp.gather
-        if isinstance(model, nnx.Module):
+        if stacked is not None:  # the model without its layers, and the stacked layers
+            graphdef, rest = split_without_layers(model)
+            self.weights = (rest, stacked)
+
+            def merge(weights):
+                return nnx.merge(graphdef, weights[0]), {"layers": weights[1]}
+        elif isinstance(model, nnx.Module):
             graphdef, self.weights = nnx.split(model)
 
             def merge(weights):
-                return nnx.merge(graphdef, weights)
+                return nnx.merge(graphdef, weights), {}
         else:  # a plain object: its arrays are baked into the step as constants
             self.weights = None
 
             def merge(weights):
                 del weights
-                return model
+                return model, {}
 
         def step_fn(
             weights: Any,
@@ -335,9 +398,10 @@ class Runner:
             sampling: SamplingMetadata,
             feed: TokenFeed,
         ) -> tuple[SamplerOutput, list, jax.Array]:
-            m = merge(weights)
+            m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
-            extra = {} if kv_scales is None else {"kv_scales": kv_scales}
+            if kv_scales is not None:
+                extra["kv_scales"] = kv_scales
             logits, kv_caches = m.forward_paged(
                 token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
             )
@@ -369,7 +433,10 @@ class Runner:
             else pallas_kernels.get_attention_ops(backend, validate=config.validate)
         )
 
+        every_tensor = self.block_ids_in_every_tensor
+
         def copy_fn(kv_caches: list, copies: StepCopies) -> list:  # kv_caches donated
+            copies = StepCopies(every_tensor(copies.src), every_tensor(copies.dst))
             return copy_kv_blocks(kv_caches, copies, attention_backend=copy_ops)
 
         if config.validate:
@@ -384,9 +451,11 @@ class Runner:
         self._swap_width = width
 
         def gather_blocks(kv_caches, ids):  # ids i32[W]
+            ids = every_tensor(ids)
             return [(k[ids], v[ids]) for k, v in kv_caches]
 
         def scatter_blocks(kv_caches, ids, blocks):  # ids i32[W]; out of range = dropped
+            ids = every_tensor(ids)
             return [
                 (k.at[ids].set(bk, mode="drop"), v.at[ids].set(bv, mode="drop"))
                 for (k, v), (bk, bv) in zip(kv_caches, blocks)
@@ -398,6 +467,13 @@ class Runner:
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
         self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def block_ids_in_every_tensor(self, ids: jax.Array) -> jax.Array:
+        """Inside jit: block ids i32[n] as rows of every KV tensor's cache (a copy or a swap
+        moves a block in every layer); unchanged unless the tensors are stacked (scan)."""
+        if self.layer_scan is None:
+            return ids
+        return ids_in_every_tensor(jnp.asarray(ids), self.num_kv_blocks, self.num_kv_tensors)
 
     # ------------------------------------------------------------------ step
     def execute(self, step: StepInput) -> StepResult:
@@ -433,7 +509,7 @@ class Runner:
         The step's block copies, if it has any, are dispatched first (run_copies).
         """
         self.run_copies(step.copies)
-        result = self.jitted_step(*self.step_args(step))
+        result = self.step_program(step)(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
         out, self.kv_caches, self.row_tokens = result
         if err is not None:
@@ -449,10 +525,18 @@ class Runner:
         """
         if not always and not np.any(np.asarray(copies.dst) != PAD_SLOT_ID):
             return
-        result = self.jitted_copy(self.kv_caches, copies)
+        copy = self.jitted_copy if self.programs is None else self.programs["copy"]
+        result = copy(self.kv_caches, copies)
         err, self.kv_caches = result if self.config.validate else (None, result)
         if err is not None:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad pair
+
+    def step_program(self, step: StepInput) -> Any:
+        """The program warm-up built for this step's shape and flags (a compiled
+        executable), else the jitted step itself, which compiles on a shape it has not seen."""
+        programs = self.programs
+        program = None if programs is None else programs.get(program_key(step))
+        return self.jitted_step if program is None else program
 
     def replace_lost_device_state(self) -> bool:
         """After a failed step: zeroed KV caches and row tokens wherever the old are gone.
@@ -517,32 +601,96 @@ class Runner:
             history_lens=seq_lens,
         )
 
-    def warmup(self, steps: list[StepInput], on_step: Any = None) -> None:
-        """Compiles the step for every bucket (all-padding inputs change no KV), the
-        decode-only variant of every bucket a decode-only step can land in, the block
-        copy and the swaps.
+    def warmup(
+        self,
+        steps: list[StepInput],
+        on_step: Any = None,
+        *,
+        cache: ExecutableCache | None = None,
+    ) -> WarmupReport:
+        """Builds every program serving can call, once each, and runs it on padding.
 
-        on_step: optional callable(i, num_steps, (num_tokens, num_seqs)) called before each.
+        The programs: one per given step (all-padding inputs change no KV), the
+        decode-only variant of each step shape a decode-only step reaches (n tokens for
+        n <= max_num_seqs sequences), and the block copy; each is loaded from ``cache`` where it
+        holds a valid entry, else traced, lowered and compiled (and saved there). The
+        swaps (preemption_mode="swap") compile through jit. Afterwards dispatch calls
+        these programs and nothing compiles.
+
+        Args:
+            steps: one all-padding StepInput per step shape (InputBatch.dummy_step_input).
+            on_step: optional callable(i, num_programs, name, action) before each program;
+                action is "loading" or "compiling".
+            cache: where programs are loaded from and saved to; None: in memory only.
+
+        Returns:
+            What was built, how, and the seconds of each phase.
         """
+        cache = ExecutableCache() if cache is None else cache
+        variants = []
         decode_shapes = set(decode_step_shapes(self.config))
-        for i, step in enumerate(steps):
-            if on_step is not None:
-                on_step(i, len(steps), step.bucket)
-            variants = [step]
+        for step in steps:
+            variants.append(step)
             if step.bucket in decode_shapes and not step.attention.decode_only:
                 decode = dataclasses.replace(step.attention, decode_only=True)
                 variants.append(dataclasses.replace(step, attention=decode))
-            for variant in variants:
-                result = self.execute(variant)
+        total = len(variants) + bool(steps)
+        self.programs = {"copy": self.jitted_copy}  # until its own program is built
+        records = []
+
+        def build(i, name, jitted, args_of, run):
+            def on_start(action):
+                if on_step is not None:
+                    on_step(i, total, name, action)
+
+            program, record = cache.build(name, jitted, args_of(), on_start)
+            try:
+                t0 = time.perf_counter()
+                run(program)
+            except Exception as err:  # noqa: BLE001 - a loaded program that fails: rebuild
+                if record.how != "loaded":
+                    raise
+                cache.report_problem(
+                    name, f"the loaded program failed ({type(err).__name__}: {err})"[:400]
+                )
+                self.replace_lost_device_state()
+                program, record = cache.build(name, jitted, args_of(), on_start, load=False)
+                t0 = time.perf_counter()
+                run(program)
+            record.run_s = time.perf_counter() - t0
+            records.append(record)
+            return program
+
+        for i, step in enumerate(variants):
+
+            def run_step(program, step=step):
+                self.programs[program_key(step)] = program
+                result = self.execute(step)
                 assert result.token_ids.shape == (0,), "a padding-only step produced samples"
-        if steps:  # all padding (dst -1): copies nothing, compiles the one copy shape
-            self.run_copies(steps[0].copies, always=True)
+
+            build(
+                i, program_name(step), self.jitted_step, lambda s=step: self.step_args(s), run_step
+            )
+        if steps:  # all padding (dst -1): copies nothing, builds the one copy shape
+            copies = steps[0].copies
+
+            def run_copy(program):
+                self.programs["copy"] = program
+                self.run_copies(copies, always=True)
+                jax.block_until_ready(self.kv_caches)
+
+            build(
+                len(variants), "copy", self.jitted_copy, lambda: (self.kv_caches, copies), run_copy
+            )
+        t0 = time.perf_counter()
         if self.config.preemption_mode == "swap":
             ids = np.zeros(self._swap_width, np.int32)
             # Host copies, as swap_in passes them: the same input shardings, no recompile.
             blocks = jax.device_get(self._gather(self.kv_caches, ids))
             drop = np.full(self._swap_width, self.num_kv_blocks, np.int32)
             self.kv_caches = self._scatter(self.kv_caches, drop, blocks)
+        directory = None if cache.directory is None else str(cache.directory)
+        return WarmupReport(records, directory, list(cache.problems), time.perf_counter() - t0)
 
     def memory_per_device(self) -> dict[str, int]:
         """The most bytes of weights and of KV caches that any one device holds."""

@@ -35,16 +35,19 @@ def test_engine_config_rejects_bad_values(kwargs, match):
 
 def test_buckets_are_powers_of_two_capped_by_the_budget():
     cfg = EngineConfig(max_num_seqs=48, max_num_batched_tokens=200, max_model_len=100)
-    assert cfg.token_buckets == (16, 32, 64, 128, 200)
+    assert cfg.token_buckets == (16, 64, 200)  # 4x steps up to 256, then 2x
+    wide = EngineConfig(max_num_batched_tokens=2048)
+    assert wide.token_buckets == (16, 64, 256, 512, 1024, 2048)
     assert cfg.seq_buckets == (8, 16, 32, 48)
     assert cfg.max_blocks_per_seq == 7  # ceil(100 / 16)
-    assert bucket_for(17, cfg.token_buckets) == 32
+    assert bucket_for(17, cfg.token_buckets) == 64
     assert bucket_for(200, cfg.token_buckets) == 200
     with pytest.raises(ValueError, match="n=201"):
         bucket_for(201, cfg.token_buckets)
-    # Every pair has num_seqs <= num_tokens except the smallest seq bucket.
+    # One shape per token bucket: S holds min(T, max_num_seqs) sequences.
     shapes = cfg.step_shapes()
-    assert (16, 8) in shapes and (16, 16) in shapes and (16, 32) not in shapes
+    assert shapes == [(16, 16), (64, 48), (200, 48)]
+    assert (16, 16) in shapes and (16, 32) not in shapes
     assert (200, 48) in shapes
 
 

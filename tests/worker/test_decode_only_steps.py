@@ -43,8 +43,9 @@ def test_a_step_with_a_prefill_chunk_is_not_decode_only():
 
 def test_decode_step_shapes_cover_every_decode_batch_size():
     cfg = EngineConfig(max_num_seqs=20, max_num_batched_tokens=64, max_model_len=32)
-    # n decodes: n tokens in the token buckets (16, 32, 64), n seqs in (8, 16, 20).
-    assert decode_step_shapes(cfg) == [(16, 8), (16, 16), (32, 20)]
+    # n decodes: n tokens in the token buckets (16, 64); each bucket's sequence dimension
+    # holds min(T, 20) rows in the seq buckets (8, 16, 20).
+    assert decode_step_shapes(cfg) == [(16, 16), (64, 20)]
     assert set(decode_step_shapes(cfg)) <= set(cfg.step_shapes())
     assert not _batch().dummy_step_input(16, 8).attention.decode_only
     assert _batch().dummy_step_input(16, 8, decode_only=True).attention.decode_only

@@ -42,7 +42,8 @@ def reference(batch: InputBatch, seqs: list[ScheduledSeq]) -> dict[str, np.ndarr
     n = len(seqs)
     t = sum(s.num_new_tokens for s in seqs)
     t_pad = bucket_for(t, cfg.token_buckets)
-    s_pad = bucket_for(n, cfg.seq_buckets)
+    s_pad = bucket_for(min(t_pad, cfg.max_num_seqs), cfg.seq_buckets)  # S follows from T
+    assert s_pad >= n
     out = {
         "token_ids": np.zeros(t_pad, np.int32),
         "positions": np.zeros(t_pad, np.int32),
