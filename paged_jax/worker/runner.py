@@ -7,9 +7,10 @@ then paged attention, per layer: the decode kernel on decode-only steps, else ra
 and the sampler. A step's copy-on-write copies (StepInput.copies) are a second jitted
 call, dispatched before the step only when it has a real copy, so the many steps with
 none launch no copy kernel. The KV caches are donated to both so XLA updates them in
-place. Every input has a bucketed shape, so `warmup()` compiles every
-bucket (and every decode-only bucket, and the copy) once and serving never compiles
-again; a global listener on jax's compile events keeps an honest count. With
+place. Every input has a bucketed shape, so `warmup()` builds each bucket's program
+(and each decode-only one, and the copy's) once ahead of time, or loads it from the
+executable cache (paged_jax.worker.executable_cache); dispatch calls those programs and
+serving never compiles; a global listener on jax's compile events keeps an honest count. With
 `EngineConfig.validate` both are checkified: a bad block id, slot or copy pair raises
 instead of corrupting the cache.
 Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite).
@@ -612,10 +613,11 @@ class Runner:
 
         The programs: one per given step (all-padding inputs change no KV), the
         decode-only variant of each step shape a decode-only step reaches (n tokens for
-        n <= max_num_seqs sequences), and the block copy; each is loaded from ``cache`` where it
-        holds a valid entry, else traced, lowered and compiled (and saved there). The
-        swaps (preemption_mode="swap") compile through jit. Afterwards dispatch calls
-        these programs and nothing compiles.
+        n <= max_num_seqs sequences), and the block copy. Each is loaded from ``cache``
+        where it holds a valid entry, else traced, lowered and compiled (and saved
+        there); a loaded program that fails its first run is compiled afresh. The swaps
+        (preemption_mode="swap") compile through jit. Afterwards dispatch calls these
+        programs and nothing compiles.
 
         Args:
             steps: one all-padding StepInput per step shape (InputBatch.dummy_step_input).
