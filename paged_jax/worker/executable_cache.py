@@ -37,6 +37,7 @@ import pickle
 import platform
 import re
 import struct
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -300,7 +301,7 @@ def write_entry(path: pathlib.Path, key: dict, executable: bytes, out_tree: byte
         sort_keys=True,
     ).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(MAGIC + struct.pack("<I", len(header)) + header + executable + out_tree)
