@@ -11,7 +11,9 @@ reports load, warm-up and its phases (trace, lower, compile, cache load), the pr
 compiled and loaded, the generation time and the ratio (load + warm-up) / generation,
 with the machine's load average around each process. The targets: cold <= 4x the
 generation time, warm <= 1x (medians over the rounds). --readme rewrites the start-time
-table between its markers from the report.
+table between its markers from the report. The warm run's programs are keyed by a hash of
+the package sources, so run it on a tree nobody edits meanwhile (for example a `git
+archive` of the commit, with PYTHONPATH pointing at it).
 """
 
 from __future__ import annotations
