@@ -156,7 +156,9 @@ class LLM:
             self.model,
             config,
             detokenize=None if self.tokenizer is None else self.decode,
-            owns_model=model is None,  # a model loaded here is the engine's to consume
+            # A model loaded here from a path is the engine's to consume (its layer weights
+            # are freed once stacked for the scan); a model object passed in stays usable.
+            owns_model=isinstance(model, (str, pathlib.Path)),
             executable_cache_dir=executable_cache_dir(self.compile_cache_dir),
         )
         self.config = self.engine.config

@@ -133,6 +133,18 @@ def test_owned_model_layers_are_freed_and_kept_otherwise(tiny_hf_checkpoint):
     assert not owned.embed_tokens.embedding[...].is_deleted()
 
 
+def test_llm_hands_a_model_it_loads_to_the_engine(tiny_hf_checkpoint):
+    from paged_jax import LLM
+
+    path = tiny_hf_checkpoint("llama", num_hidden_layers=3)
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, scan_layers="on")
+    llm = LLM(path, warmup=False, **kw)
+    assert all(x.is_deleted() for x in jax.tree.leaves(list(llm.model.layers)))
+    model = load_model(path)
+    LLM(model, warmup=False, **kw)  # a model object passed in stays usable
+    assert not any(x.is_deleted() for x in jax.tree.leaves(model))
+
+
 def test_scan_layers_setting():
     assert EngineConfig(scan_layers=True).scan_layers == "on"
     assert EngineConfig(scan_layers=False).scan_layers == "off"
