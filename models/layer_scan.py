@@ -27,6 +27,7 @@ out of the pool (so they stay invisible, and validate still reports them).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -158,6 +159,13 @@ def split_without_layers(model: Any) -> tuple[Any, Any]:
         model.layers = layers
 
 
+@functools.partial(jax.jit, static_argnames="sharding")
+def _stack_on_device(*leaves: jax.Array, sharding: Any = None) -> jax.Array:
+    """jnp.stack, jitted once per shape and placement (parameters of one shape share it)."""
+    out = jnp.stack(leaves)
+    return out if sharding is None else jax.lax.with_sharding_constraint(out, sharding)
+
+
 def _stack_leaves(leaves: Sequence[jax.Array], release: bool) -> jax.Array:
     """One stacked array [n, ...] of same-shaped arrays, placed like them (leading axis whole).
 
@@ -174,14 +182,14 @@ def _stack_leaves(leaves: Sequence[jax.Array], release: bool) -> jax.Array:
     if isinstance(first, jax.ShapeDtypeStruct):  # an abstract model: abstract stacked weights
         return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
     if isinstance(sharding, jax.sharding.NamedSharding):
-        out = jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)(*leaves)
+        out = _stack_on_device(*leaves, sharding=sharding)
     elif jax.default_backend() == "cpu":
         import numpy as np
 
         # Uncommitted like a freshly loaded weight, so every step keys one jit cache entry.
         out = jnp.asarray(np.stack([np.asarray(x) for x in leaves]))
     else:
-        out = jax.jit(lambda *xs: jnp.stack(xs))(*leaves)
+        out = _stack_on_device(*leaves)
     if release:
         for x in leaves:
             x.delete()
@@ -236,7 +244,8 @@ class StackedLayers:
 
     def init_kv_caches(self, model: Any, num_blocks: int, block_size: int, dtype: Any = None):
         """[(K, V)]: zeroed caches of every KV tensor in one pair of arrays (module docstring)."""
-        caches = model.init_kv_caches(1, block_size, dtype)  # one block per tensor: shapes
+        # The shapes of one block of one tensor, read abstractly (nothing allocated).
+        caches = jax.eval_shape(lambda: model.init_kv_caches(1, block_size, dtype))
         return [
             tuple(
                 jnp.zeros((self.plan.num_tensors * num_blocks, *x.shape[1:]), x.dtype)
