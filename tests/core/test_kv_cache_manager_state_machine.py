@@ -207,7 +207,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), chunk=st.integers(1, 24), num_out=st.integers(1, 3))
     def step(self, data, chunk, num_out):
         """Continue a chunked prefill, or append outputs and decode them."""
-        req = data.draw(st.sampled_from(self.running))
+        self._advance(data.draw(st.sampled_from(self.running)), data, chunk, num_out)
+
+    def _advance(self, req, data, chunk, num_out):
         if req.num_computed_tokens == req.num_tokens:
             if req.num_tokens + num_out > MAX_MODEL_LEN:
                 self._finish(req)
@@ -223,9 +225,18 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         req.num_computed_tokens += num_new
 
     @precondition(lambda self: self.running)
-    @rule(data=st.data(), tail=st.lists(st.integers(0, 3), min_size=1, max_size=3))
-    def fork(self, data, tail):
-        """Fork a running request between steps; the child diverges after the shared part."""
+    @rule(
+        data=st.data(),
+        tail=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+        same_round=st.booleans(),
+    )
+    def fork(self, data, tail, same_round):
+        """Fork a running request between steps; the child diverges after the shared part.
+
+        With `same_round`, child and parent then both advance in the next round, the way a
+        scheduler steps every running sequence: a write into their shared partial block is
+        held as a copy while the other request allocates in the same round.
+        """
         self.device_step()
         # Prefer parents with a partial last block: those forks copy on write.
         partial = [r for r in self.running if r.num_computed_tokens % BS]
@@ -247,6 +258,10 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         assert table == self.tables[parent.request_id][: -(-num_shared // BS)]
         self.tables[cid] = table
         STEPS["forks"] += 1
+        if same_round:
+            for req in (child, parent):
+                if req in self.running:  # advancing the child may preempt the parent
+                    self._advance(req, data, chunk=1, num_out=1)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
