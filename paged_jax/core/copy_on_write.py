@@ -23,6 +23,17 @@ from typing import NamedTuple
 from paged_jax.core.block_pool import BlockPool, KVCacheBlock
 
 
+def max_copies_per_step(max_num_seqs: int, num_kv_cache_groups: int) -> int:
+    """The most copies on write one step can have: one per scheduled sequence and group.
+
+    A sequence only writes at and after its computed tokens, and the only block it can
+    share there is the partial last block a fork left it (full shared blocks are never
+    written again), so each scheduled sequence copies at most one block per KV-cache
+    group. Hybrid models (sliding-window and full-attention groups) copy once per group.
+    """
+    return max_num_seqs * num_kv_cache_groups
+
+
 class BlockCopies(NamedTuple):
     """One step's copy-on-write work, from ``KVCacheManager.take_pending_copies``.
 

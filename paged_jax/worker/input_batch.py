@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 
 from paged_jax.config import EngineConfig, bucket_for
+from paged_jax.core.copy_on_write import max_copies_per_step
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
@@ -80,6 +81,10 @@ class InputBatch:
     ):
         self.config = config
         n = config.max_num_seqs
+        # A scheduled sequence writes into at most one shared block per KV-cache group
+        # (the partial last block its fork shares), so a step has at most this many
+        # copies on write (paged_jax.core.copy_on_write.max_copies_per_step).
+        self.copies_width = max_copies_per_step(n, len(kv_cache_groups))
         self.max_model_len = config.max_model_len
         self.token_ids = np.zeros((n, config.max_model_len), np.int32)
         self.num_token_ids = np.zeros(n, np.int32)
@@ -349,8 +354,12 @@ class InputBatch:
         return entry
 
     def _copies(self, pairs: Sequence[tuple[int, int]]) -> StepCopies:
-        width = self.config.max_num_seqs
-        assert len(pairs) <= width, "more block copies than scheduled sequences in one step"
+        width = self.copies_width
+        if len(pairs) > width:
+            raise RuntimeError(
+                f"{len(pairs)} block copies in one step exceed the bound of {width} "
+                "(max_num_seqs x KV-cache groups): the block manager broke its invariant"
+            )
         src = np.zeros(width, np.int32)
         dst = np.full(width, PAD_SLOT_ID, np.int32)
         if pairs:

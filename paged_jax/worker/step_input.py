@@ -129,7 +129,10 @@ class TokenFeed(NamedTuple):
 
 
 class StepCopies(NamedTuple):
-    """The step's copy-on-write block copies as device arrays, padded to C = max_num_seqs.
+    """The step's copy-on-write block copies as device arrays, padded to a fixed width C.
+
+    C = max_num_seqs x the number of KV-cache groups (``max_copies_per_step``): a
+    scheduled sequence copies at most its shared partial block in each group.
 
     The host's decision is ``paged_jax.core.copy_on_write.BlockCopies`` (pairs and the
     table slots they fill); this is its fixed-shape form for the jitted step.

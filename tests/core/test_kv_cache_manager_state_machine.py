@@ -39,6 +39,7 @@ from hypothesis.stateful import (
 )
 
 from paged_jax import KVCacheManager, Request, RequestStatus
+from paged_jax.core.copy_on_write import max_copies_per_step
 from paged_jax.core.hashing import get_block_hash
 
 BS = 4
@@ -132,6 +133,8 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
         copies = self.m.take_pending_copies()
         expected = [(s, d) for s, d in self.expected_copies if holders[d] > 0]
         assert copies.pairs == expected
+        # One copy at most per request that allocated this round (one KV-cache group).
+        assert len(copies.pairs) <= max_copies_per_step(len(self.in_round), 1)
         dsts = [d for _, d in copies.pairs]
         assert len(set(dsts)) == len(dsts) and not set(dsts) & {s for s, _ in copies.pairs}
         STEPS["copies"] += len(copies.pairs)
