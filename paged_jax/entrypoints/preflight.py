@@ -2,9 +2,10 @@
 before the model loads, each as one ValueError naming the file (and the field).
 
 config.json (via models.loader.check_model_dir: fields, architecture, weight headers),
-tokenizer.json, the chat template, max_model_len against max_position_embeddings, and
-the host memory the buffers sized by max_model_len need. Host module: imports no jax
-itself (the loader, imported when a check runs, does).
+tokenizer.json, the chat template (the checkpoint's, or a --chat-template file),
+max_model_len against max_position_embeddings, and the host memory the buffers sized by
+max_model_len need. Host module: imports no jax itself (the loader, imported when a
+check runs, does).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pathlib
 from typing import Any
 
+from paged_jax.chat_template import MAX_TEMPLATE_FILE_BYTES, ChatTemplate
 from paged_jax.config import EngineConfig
 
 INT32_BYTES = 4
@@ -29,26 +31,39 @@ class ModelFacts:
         max_model_len: the run's context length (the flag, or the model's
             max_position_embeddings).
         max_position_embeddings: the model's limit, from config.json.
+        tokenizer: the parsed tokenizer.json (a ``tokenizers.Tokenizer``), or None.
+        chat_template: the chat template the run uses (given, else the checkpoint's), or
+            None.
     """
 
     max_model_len: int
     max_position_embeddings: int
+    tokenizer: Any = None
+    chat_template: ChatTemplate | None = None
 
 
-def check_model(model_dir: pathlib.Path, engine_args: dict[str, Any]) -> ModelFacts:
+def check_model(
+    model_dir: pathlib.Path,
+    engine_args: dict[str, Any],
+    *,
+    chat_template: ChatTemplate | None = None,
+) -> ModelFacts:
     """Checks that `model_dir` can be loaded and run with `engine_args`, without loading it.
 
     Args:
         model_dir: a Hugging Face model directory holding config.json.
         engine_args: the EngineConfig keyword arguments of the run.
+        chat_template: a template given for the run (then the checkpoint's is not read,
+            as LLM(chat_template=...) does not read it).
 
     Raises:
         ValueError: one line naming the file (and the field) that dooms the run.
     """
     config_file = model_dir / "config.json"
     config = _model_config(model_dir, config_file)
-    _check_tokenizer(model_dir)
-    _check_chat_template(model_dir)
+    tokenizer = _check_tokenizer(model_dir)
+    if chat_template is None:
+        chat_template = _check_chat_template(model_dir)
     limit = int(config.max_position_embeddings)
     requested = engine_args.get("max_model_len")
     if requested is not None and requested > limit:
@@ -71,7 +86,7 @@ def check_model(model_dir: pathlib.Path, engine_args: dict[str, Any]) -> ModelFa
             f"the {_gib(free)} of free host memory; set --max-model-len to a smaller value "
             "(or lower --max-num-seqs)"
         )
-    return ModelFacts(max_model_len, limit)
+    return ModelFacts(max_model_len, limit, tokenizer, chat_template)
 
 
 def _model_config(model_dir: pathlib.Path, config_file: pathlib.Path) -> Any:
@@ -90,31 +105,61 @@ def _model_config(model_dir: pathlib.Path, config_file: pathlib.Path) -> Any:
         raise ValueError(f"{config_file} cannot be used: {type(err).__name__}: {err}") from err
 
 
-def _check_tokenizer(model_dir: pathlib.Path) -> None:
-    """tokenizer.json parses (LLM loads it when present; a broken one would fail there)."""
+def _check_tokenizer(model_dir: pathlib.Path) -> Any:
+    """The parsed tokenizer.json, or None without one (LLM loads it when present; a broken
+    one would fail there)."""
     file = model_dir / "tokenizer.json"
     if not file.is_file():
-        return
+        return None
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(str(file))
+        return Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         raise ValueError(f"{file} is not a usable tokenizer: {err}") from err
 
 
-def _check_chat_template(model_dir: pathlib.Path) -> None:
-    """tokenizer_config.json / chat_template.jinja parse (LLM reads them when it loads)."""
-    from paged_jax.chat_template import ChatTemplate
-
+def _check_chat_template(model_dir: pathlib.Path) -> ChatTemplate | None:
+    """The checkpoint's template, once tokenizer_config.json / chat_template.jinja parse
+    (LLM reads them when it loads)."""
     try:
-        ChatTemplate.from_model_dir(model_dir)
+        return ChatTemplate.from_model_dir(model_dir)
     except ValueError:
         raise
     except Exception as err:  # a template that does not compile, an unreadable file
         raise ValueError(
             f"the chat template of {model_dir} cannot be used: {type(err).__name__}: {err}"
         ) from err
+
+
+def read_chat_template(path: str) -> ChatTemplate:
+    """The --chat-template file as a template, checked for syntax by rendering one message.
+
+    Raises:
+        ValueError: the file cannot be read, is empty or too large, or does not parse
+            (naming the flag). Errors of the template's own logic (a role it refuses)
+            are left to each "messages" line.
+    """
+    flag = f"--chat-template={path!r}"
+    try:
+        size = os.stat(path).st_size
+        if size > MAX_TEMPLATE_FILE_BYTES:
+            raise ValueError(f"{flag} is {size} bytes, over the {MAX_TEMPLATE_FILE_BYTES} limit")
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{flag} cannot be read: {err}") from err
+    if not source.strip():
+        raise ValueError(f"{flag} is empty; expected a Jinja chat template")
+    template = ChatTemplate(source, origin=path)
+    import jinja2
+
+    try:
+        template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    except ValueError as err:
+        if isinstance(err.__cause__, jinja2.TemplateSyntaxError):
+            raise ValueError(f"{flag}: the template has a syntax error: {err}") from err
+    return template
 
 
 def max_model_len_bytes(config: EngineConfig) -> int:
