@@ -1,0 +1,146 @@
+"""`--data-parallel-size 2` and generate_dataset on a local Ray cluster: the records equal
+the single-process CLI's per index, bad lines included, and a replica killed mid-run
+still leaves every request exactly once.
+
+Each Ray run is a subprocess with a timeout (a stuck cluster fails the test instead of
+hanging CI); the replicas are pinned to one core each and start warm from the compile
+cache the single-process run fills.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("ray.data", reason="needs Ray Data: pip install 'paged-jax[ray]'")
+
+from paged_jax.entrypoints.generate_cli import main as generate_main  # noqa: E402
+from paged_jax.entrypoints.replica import CRASH_HOOK_ENV  # noqa: E402
+
+ENGINE = ["--block-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
+ENGINE += ["--max-model-len", "64", "--max-tokens", "6", "--no-tqdm"]
+RAY_TIMEOUT_S = 300
+# Prompts with distinct first blocks, so prefix-cache hits (num_cached_tokens) do not
+# depend on which replica serves which request.
+LINES = [{"id": f"r{i}", "prompt": f"{chr(97 + i)}{i} request {i * 13}"} for i in range(12)]
+LINES[3]["max_tokens"] = 2
+LINES[5].update(temperature=0.8, seed=11)
+LINES[7]["stop"] = ["e"]
+LINES.insert(4, {"id": "bad", "prompt": 5})  # index 4: an error record
+LINES.append({"id": "tok", "prompt_token_ids": [1, 9999]})  # rejected by the engine
+
+
+def _stable(record):
+    return {k: v for k, v in record.items() if k not in ("time_to_first_token", "request_id")}
+
+
+def _by_index(path):
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return records, {r["index"]: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def job(model_dir, tmp_path_factory):
+    """The prompts file, the single-process CLI's records and its (filled) compile cache."""
+    root = tmp_path_factory.mktemp("dp_job")
+    prompts = root / "p.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in LINES))
+    out = root / "single.jsonl"
+    base = ["--model", str(model_dir), "--prompts", str(prompts), *ENGINE]
+    base += ["--compile-cache-dir", str(root / "cache")]
+    assert generate_main([*base, "--output", str(out)]) == 1  # two error records
+    return base, _by_index(out)[1]
+
+
+def _run_cli(args, env=None):
+    cmd = [sys.executable, "-m", "paged_jax.entrypoints.generate_cli", *args]
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=RAY_TIMEOUT_S,
+    )
+    return proc
+
+
+def _check_equal_to_single(records, single):
+    indices = [r["index"] for r in records]
+    assert sorted(indices) == sorted(single), "every request exactly once"
+    got = {r["index"]: r for r in records}
+    assert {i: _stable(r) for i, r in got.items()} == {i: _stable(r) for i, r in single.items()}
+
+
+def test_two_replicas_write_the_single_process_records(job, tmp_path):
+    base, single = job
+    out, summary = tmp_path / "dp.jsonl", tmp_path / "s.json"
+    args = [*base, "--output", str(out), "--summary-json", str(summary)]
+    proc = _run_cli([*args, "--data-parallel-size", "2", "--cpus-per-replica", "1"])
+    assert proc.returncode == 1, proc.stderr[-3000:]  # the two error records, as single
+    records, _ = _by_index(out)
+    _check_equal_to_single(records, single)
+    assert single[4]["error"] == "line 5: prompt=5 must be a string"
+    s = json.loads(summary.read_text())
+    assert (s["requests"], s["succeeded"], s["failed"]) == (14, 12, 2)
+    assert s["data_parallel_size"] == 2 and s["compiles_after_warmup"] == 0
+    assert s["replica_processes"] == 2, s["replicas"]  # both replicas served batches
+    assert {e["index"] for e in s["errors"]} == {4, 13}
+    assert "== paged-jax generate summary ==" in proc.stdout
+
+
+def test_a_replica_killed_mid_run_still_yields_every_request_once(job, tmp_path):
+    base, single = job
+    out, marker = tmp_path / "dp.jsonl", tmp_path / "crashed"
+    args = [*base, "--output", str(out), "--data-parallel-size", "2", "--cpus-per-replica", "1"]
+    proc = _run_cli(args, env={CRASH_HOOK_ENV: f"8:{marker}"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert marker.is_file(), "the hook never fired: no replica died"
+    records, _ = _by_index(out)
+    _check_equal_to_single(records, single)
+
+
+def test_generate_dataset_serves_a_parquet_dataset(job, model_dir, tmp_path):
+    """The Python entry point on a Ray Dataset read from Parquet (nulls = not given)."""
+    _, single = job
+    rows = [dict(r, index=i) for i, r in enumerate(LINES) if isinstance(r.get("prompt"), str)]
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import pyarrow as pa, pyarrow.parquet as pq, ray, ray.data
+        from paged_jax import SamplingParams
+        from paged_jax.entrypoints.data_parallel import generate_dataset
+        rows = json.loads(sys.argv[1])
+        keys = sorted({{k for r in rows for k in r}})  # from_pylist keeps row 0's keys only
+        table = pa.Table.from_pydict({{k: [r.get(k) for r in rows] for k in keys}})
+        pq.write_table(table, {str(tmp_path / "p.parquet")!r})
+        ray.init(num_cpus=3, include_dashboard=False, logging_level="WARNING")
+        ds = ray.data.read_parquet({str(tmp_path / "p.parquet")!r})
+        out = generate_dataset(
+            ds, {str(model_dir)!r}, SamplingParams(temperature=0.0, max_tokens=6),
+            data_parallel_size=2, batch_size=3, cpus_per_replica=1,
+            compile_cache={str(job[0][job[0].index("--compile-cache-dir") + 1])!r},
+            block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+        )
+        print("RECORDS", json.dumps([json.loads(r["record"]) for r in out.take_all()]))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(rows)],
+        capture_output=True,
+        text=True,
+        timeout=RAY_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
+    records = json.loads(line[len("RECORDS ") :])
+    assert sorted(r["index"] for r in records) == [r["index"] for r in rows]
+    for r in records:  # a dataset row has no line number; the rest is the CLI's record
+        assert r.pop("line") is None
+        want = dict(single[r["index"]])
+        want.pop("line")
+        assert _stable(r) == _stable(want)
