@@ -88,6 +88,20 @@ class EngineConfig:
             unrolls them; "auto" scans on accelerators and unrolls on CPU, where XLA
             copies each layer's weight slice out of the stack every step (docs/models.md).
             True/False are taken as "on"/"off".
+        distributed_coordinator_address: "host:port" of process 0's coordinator for a
+            multi-process (multi-host) engine; None reads $JAX_COORDINATOR_ADDRESS, and
+            without either the engine is one process. Every process then runs the same
+            engine in lockstep over a mesh of all processes' devices
+            (paged_jax.distributed, docs/scale_out.md).
+        distributed_num_processes: processes in the job (None: $JAX_NUM_PROCESSES).
+        distributed_process_id: this process's rank in [0, num_processes) (None:
+            $JAX_PROCESS_ID).
+        distributed_heartbeat_timeout_s: seconds after which the survivors of a process
+            that died stop with an error instead of waiting for it.
+        lockstep_check_interval: with several processes, compare a checksum of each
+            process's schedule every this many steps (and at every step that admits
+            requests; every step under validate): a divergence stops every process with
+            LockstepError before its step runs.
     """
 
     block_size: int = 16
@@ -108,6 +122,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     validate: bool = False
     scan_layers: ScanLayers = "auto"
+    distributed_coordinator_address: str | None = None
+    distributed_num_processes: int | None = None
+    distributed_process_id: int | None = None
+    distributed_heartbeat_timeout_s: int = 30
+    lockstep_check_interval: int = 16
 
     def __post_init__(self) -> None:
         if (
@@ -161,6 +180,21 @@ class EngineConfig:
             fail(self, "seed", "an int in [0, 2**32)")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             fail(self, "tensor_parallel_size", "an int >= 1")
+        address = self.distributed_coordinator_address
+        if address is not None and (
+            not isinstance(address, str) or not address.rpartition(":")[2].isdigit()
+        ):
+            fail(self, "distributed_coordinator_address", "None or a 'host:port' string")
+        n = self.distributed_num_processes
+        if n is not None and (not is_int(n) or n < 1):
+            fail(self, "distributed_num_processes", "None or an int >= 1")
+        rank = self.distributed_process_id
+        if rank is not None and (not is_int(rank) or rank < 0 or (n is not None and rank >= n)):
+            want = "None or an int >= 0" + ("" if n is None else f" and < {n}")
+            fail(self, "distributed_process_id", want)
+        for name in ("distributed_heartbeat_timeout_s", "lockstep_check_interval"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(self, name, "an int >= 1")
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -42,10 +42,27 @@ REPLICATED = PartitionSpec()
 def make_mesh(tensor_parallel_size: int) -> Mesh:
     """A 1-D mesh named "tp" over the first `tensor_parallel_size` devices of jax.devices().
 
+    With several processes (paged_jax.distributed) the mesh takes the same number of
+    devices from every process, so each process holds shards of every array it steps.
+
     Raises:
-        ValueError: fewer devices than asked for (the message says how to fake them on CPU).
+        ValueError: fewer devices than asked for (the message says how to fake them on CPU),
+            or a size the processes cannot share evenly.
     """
     devices = jax.devices()
+    processes = jax.process_count()
+    if processes > 1:
+        per_process, left = divmod(tensor_parallel_size, processes)
+        if left or per_process > jax.local_device_count():
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} must be a multiple of the "
+                f"{processes} processes and at most {jax.device_count()} (every process "
+                f"gives the mesh the same number of its {jax.local_device_count()} devices)"
+            )
+        by_process: dict[int, list] = {}
+        for d in devices:
+            by_process.setdefault(d.process_index, []).append(d)
+        devices = [d for p in sorted(by_process) for d in by_process[p][:per_process]]
     if tensor_parallel_size > len(devices):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} must be <= the number of devices "

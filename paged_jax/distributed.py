@@ -1,0 +1,221 @@
+"""Multi-process engines: jax.distributed start-up, admission broadcast, lockstep guard.
+
+One engine spans several processes (hosts) as JAX multi-controller SPMD: every process
+runs the same deterministic engine, and each jitted step is one program over a mesh of
+every process's devices. The host side (scheduler, block pool, prefix cache) decides
+only from request order, token counts and sampled ids, which come back replicated, so
+the processes stay in lockstep as long as they admit the same requests in the same order:
+
+    process 0:  prompts ──broadcast_from_primary──▶ every process adds the same requests
+    every step: schedule ─▶ LockstepGuard.check (checksum, all-gathered) ─▶ jitted step
+    process 0:  writes the outputs; the others drop theirs
+
+A schedule that differs between processes would dispatch different programs (or the
+same program with different inputs) into shared collectives: it would hang or compute
+garbage. The guard compares a checksum of each process's schedule before the step runs
+and stops every process with LockstepError, the same error on each. A process that dies
+is noticed by jax.distributed's heartbeat: the survivors exit with its error after
+``distributed_heartbeat_timeout_s``.
+
+CPU processes talk through gloo collectives (set here before the backend starts), so the
+whole path runs on one machine: two processes with forced CPU devices each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from paged_jax.config import EngineConfig
+
+__all__ = [
+    "ENV_COORDINATOR_ADDRESS",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "DistributedSettings",
+    "LockstepError",
+    "LockstepGuard",
+    "broadcast_from_primary",
+    "initialize",
+    "is_primary",
+    "schedule_digest",
+    "settings_from",
+]
+
+# jax.distributed.initialize reads the first itself; the other two name the same
+# job's size and rank the way launchers (and our CLI) pass them.
+ENV_COORDINATOR_ADDRESS = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_PROCESS_ID"
+
+# A broadcast payload is padded to a power of two >= this, so the broadcast's jitted
+# program takes few shapes.
+_MIN_PAYLOAD = 1024
+
+
+class LockstepError(RuntimeError):
+    """The processes of one engine scheduled different steps; every process raises it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedSettings:
+    """Where this process sits in a multi-process job."""
+
+    coordinator_address: str
+    num_processes: int
+    process_id: int
+    heartbeat_timeout_s: int = 30
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} must be an int") from None
+
+
+def settings_from(
+    config: EngineConfig, environ: Mapping[str, str] = os.environ
+) -> DistributedSettings | None:
+    """The job's settings from the config, else the environment; None for one process.
+
+    Raises:
+        ValueError: a job named half-way (an address without a process count or rank,
+            or the reverse), naming the field and its environment variable.
+    """
+    address = config.distributed_coordinator_address or environ.get(ENV_COORDINATOR_ADDRESS)
+    n = config.distributed_num_processes
+    if n is None:
+        n = _env_int(environ, ENV_NUM_PROCESSES)
+    rank = config.distributed_process_id
+    if rank is None:
+        rank = _env_int(environ, ENV_PROCESS_ID)
+    if address is None and n in (None, 1) and rank in (None, 0):
+        return None
+    if n == 1 and rank in (None, 0):
+        return None
+    for field, env, value in (
+        ("distributed_coordinator_address", ENV_COORDINATOR_ADDRESS, address),
+        ("distributed_num_processes", ENV_NUM_PROCESSES, n),
+        ("distributed_process_id", ENV_PROCESS_ID, rank),
+    ):
+        if value is None:
+            raise ValueError(
+                f"EngineConfig.{field}=None must be set (or ${env}) for a multi-process "
+                f"engine: got coordinator {address!r}, {n!r} processes, process id {rank!r}"
+            )
+    if not 0 <= rank < n:
+        raise ValueError(f"distributed_process_id={rank!r} must be in [0, {n})")
+    return DistributedSettings(address, n, rank, config.distributed_heartbeat_timeout_s)
+
+
+def initialize(settings: DistributedSettings) -> None:
+    """Joins the job (jax.distributed.initialize) before any device is queried.
+
+    Idempotent for the same job; CPU processes use gloo collectives.
+
+    Raises:
+        RuntimeError: jax already started its backends in this process (a device was
+            queried or an array made first), or it joined another job.
+    """
+    if jax.distributed.is_initialized():
+        if jax.process_count() != settings.num_processes or (
+            jax.process_index() != settings.process_id
+        ):
+            raise RuntimeError(
+                f"this process already joined a job of {jax.process_count()} processes as "
+                f"process {jax.process_index()}, not {settings.num_processes} as "
+                f"{settings.process_id}"
+            )
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=settings.coordinator_address,
+            num_processes=settings.num_processes,
+            process_id=settings.process_id,
+            heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+        )
+    except RuntimeError as e:
+        raise RuntimeError(
+            f"could not join the multi-process job at {settings.coordinator_address} as "
+            f"process {settings.process_id} of {settings.num_processes}: {e} (the engine "
+            "must start before anything else in the process uses jax devices)"
+        ) from e
+
+
+def is_primary() -> bool:
+    """True on process 0 (the one that decides admission and writes outputs)."""
+    return jax.process_index() == 0
+
+
+def broadcast_from_primary(obj: Any) -> Any:
+    """Process 0's `obj` on every process (any picklable object); itself for one process."""
+    if jax.process_count() == 1:
+        return obj
+    payload = pickle.dumps(obj) if is_primary() else b""
+    size = int(multihost_utils.broadcast_one_to_all(np.array([len(payload)], np.int32))[0])
+    width = max(_MIN_PAYLOAD, 1 << (size - 1).bit_length())
+    buf = np.zeros(width, np.uint8)
+    buf[: len(payload)] = np.frombuffer(payload, np.uint8)
+    data = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return pickle.loads(data[:size].tobytes())
+
+
+def schedule_digest(parts: Any) -> int:
+    """A 32-bit checksum of a step's schedule (any repr-stable value of ints and strs)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+class LockstepGuard:
+    """Compares the processes' schedules before a step runs.
+
+    Args:
+        interval: check every this many steps...
+        every_step: ...or at every step (validate).
+    """
+
+    def __init__(self, interval: int, every_step: bool = False):
+        self.interval = interval
+        self.every_step = every_step
+        self.num_checks = 0
+
+    def due(self, step: int, admitted: bool) -> bool:
+        """Whether step `step` is checked: every N steps, at admissions, or always."""
+        return self.every_step or admitted or step % self.interval == 0
+
+    def check(self, step: int, digest: int) -> None:
+        """All-gathers (step, digest) and raises LockstepError on every process if any differ.
+
+        Raises:
+            LockstepError: the processes' schedules differ (listing each one's).
+        """
+        signed = digest - (1 << 32) if digest >= 1 << 31 else digest  # fits int32
+        mine = np.array([step, signed], np.int32)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
+        self.num_checks += 1
+        if (every != every[0]).any():
+            seen = ", ".join(
+                f"process {i}: step {s}, checksum {d & 0xFFFFFFFF:#010x}"
+                for i, (s, d) in enumerate(every.tolist())
+            )
+            raise LockstepError(
+                f"the engine's processes diverged before step {step} ({seen}): every "
+                "process must admit the same requests in the same order (pass prompts "
+                "through LLM.generate on every process; process 0's are used)"
+            )
+
+    def warmup(self) -> None:
+        """Builds the check's all-gather program (so no step compiles it later)."""
+        multihost_utils.process_allgather(np.zeros(2, np.int32))
