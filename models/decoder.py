@@ -268,7 +268,35 @@ class CausalLM(nnx.Module):
                 unrolled.
 
         Returns:
-            Logits at attn_metadata.logits_indices and the updated caches.
+            Logits at attn_metadata.logits_indices and the updated caches: exactly
+            ``logits(hidden[attn_metadata.logits_indices])`` of forward_paged_hidden.
+        """
+        x, new_caches = self.forward_paged_hidden(
+            token_ids,
+            positions,
+            kv_caches,
+            attn_metadata,
+            attention_backend=attention_backend,
+            kv_scales=kv_scales,
+            layers=layers,
+        )
+        return self.logits(x[attn_metadata.logits_indices]), new_caches
+
+    def forward_paged_hidden(
+        self,
+        token_ids: jax.Array,  # i32[num_tokens]
+        positions: jax.Array,  # i32[num_tokens]
+        kv_caches: Sequence[KVCache],
+        attn_metadata: AttentionMetadata,
+        *,
+        attention_backend: str | None = None,
+        kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
+        layers: Any = None,
+    ) -> tuple[jax.Array, list[KVCache]]:  # f[num_tokens, hidden], updated caches
+        """forward_paged without the head: the last layer's output at every token.
+
+        ``logits`` turns any rows of it into logits (the engine's prompt logprobs read
+        every prompt position this way). Arguments as forward_paged.
         """
         layout = self.kv_layout
         ops = pallas_kernels.get_attention_ops(
@@ -276,8 +304,7 @@ class CausalLM(nnx.Module):
         )
         x = self.embed(token_ids, positions)
         if layers is not None:
-            x, new_caches = layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
-            return self.logits(x[attn_metadata.logits_indices]), new_caches
+            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
         if len(self.layers) != self.config.num_hidden_layers:
             raise ValueError(
                 f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
@@ -294,7 +321,7 @@ class CausalLM(nnx.Module):
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )
-        return self.logits(x[attn_metadata.logits_indices]), new_caches
+        return x, new_caches
 
     # -- KV cache -----------------------------------------------------------------------
 

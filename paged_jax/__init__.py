@@ -22,7 +22,7 @@ from paged_jax.core.kv_cache_block import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.model_api import PagedModel, PagedModelConfig
-from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ __all__ = [
     "EngineConfig",
     "KVCacheBlock",
     "KVCacheManager",
+    "Logprob",
     "PagedModel",
     "PagedModelConfig",
     "Request",

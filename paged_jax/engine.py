@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import operator
 import os
 import statistics
@@ -32,8 +33,9 @@ from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
-from paged_jax.outputs import EngineOutput
+from paged_jax.outputs import EngineOutput, LogprobEntry, RankEntry, logprob_entry
 from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
+from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.worker.executable_cache import (
     ExecutableCache,
@@ -42,7 +44,7 @@ from paged_jax.worker.executable_cache import (
     program_context,
 )
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.runner import PendingStep, Runner, num_backend_compiles
+from paged_jax.worker.runner import PendingStep, Runner
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
 
@@ -85,13 +87,16 @@ class InFlightStep:
     requests holds the Request objects scheduled (by position in out.scheduled), so a
     token is dropped when its request ended, even if a new request reuses the id.
     cached holds the blocks hashed when the step was scheduled: their KV exists once
-    the step completes, so they lose their hashes if it fails.
+    the step completes, so they lose their hashes if it fails. prompt holds, per
+    PromptLogprobs the step computes positions of, those positions (ascending), in the
+    order of the step's prompt rows (StepResult.prompt_logprobs).
     """
 
     out: SchedulerOutput
     requests: list[Request]
     pending: PendingStep
     cached: list[KVCacheBlock] = dataclasses.field(default_factory=list)
+    prompt: list[tuple[PromptLogprobs, range]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def launch(
@@ -100,22 +105,31 @@ class InFlightStep:
         live: dict[str, Request],
         pending: PendingStep,
         cached: list[KVCacheBlock] | None = None,
+        prompt: list[tuple[PromptLogprobs, range]] | None = None,
     ) -> InFlightStep:
         requests = out.scheduled_requests
         if len(requests) != len(out.scheduled):  # an output built by hand
             requests = [live[seq.req_id] for seq in out.scheduled]
-        return cls(out, requests, pending, cached or [])
+        return cls(out, requests, pending, cached or [], prompt or [])
 
 
 @dataclasses.dataclass
 class _ReqState:
-    """The engine's side of one live request: sampling settings and what it returns."""
+    """The engine's side of one live request: sampling settings and what it returns.
+
+    ``prompt`` collects the prompt logprobs this request computes (shared by a
+    parallel-sampling parent's carrier and fallback samples); ``owns_prompt`` says its
+    own output reports them (a plain request), not its parent's.
+    """
 
     params: SamplingParams
     seed: int
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[LogprobEntry] | None
+    logprob_ranks: list[RankEntry] | None = None
     first_token_time: float | None = None
     stop_reason: str | int | None = None
+    prompt: PromptLogprobs | None = None
+    owns_prompt: bool = False
 
 
 class _StepTimes:
@@ -218,6 +232,7 @@ class Engine:
         groups = model_kv_cache_groups(model)
         # Read before the runner may take the model's layers over.
         self._model_identity = model_identity(model)
+        self._model_name = type(model).__name__
         self._executable_cache_dir = executable_cache_dir
         self.warmup_report: WarmupReport | None = None
         self.runner = Runner(model, config, owns_model=owns_model)
@@ -258,7 +273,12 @@ class Engine:
         self._num_steps = 0
         self._usage_peak = 0.0
         self._num_cached_tokens: dict[str, int] = {}
-        self._compiles_at_start = num_backend_compiles()
+        # Live requests that compute prompt logprobs, and the parents asking for them.
+        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
+        self._parent_prompt_logprobs: dict[str, PromptLogprobs] = {}
+        self._salt_ids = itertools.count()
+        # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
+        self._compiles_at_start = self.runner.num_compiles
         self._compiles_after_warmup: int | None = None
 
     # ------------------------------------------------------------ requests
@@ -280,6 +300,12 @@ class Engine:
         from that prefill inside ``step()``, and it finishes as one EngineOutput whose
         ``samples`` hold theirs in index order. Sample j has seed ``(seed + j) % 2**32``
         when ``seed`` is set.
+
+        With ``sampling_params.prompt_logprobs`` every prompt position runs through the
+        model: the request gets a prefix-cache salt of its own (``own_cache_salt``), so
+        it never reads blocks another request cached (its own, after a preemption, it
+        does). Its EngineOutput carries ``prompt_logprobs``. The model must have
+        ``forward_paged_hidden`` and ``logits`` (``Runner.supports_prompt_logprobs``).
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -314,11 +340,32 @@ class Engine:
                 f"len(prompt_token_ids)={req.num_prompt_tokens} needs {need} KV blocks but the "
                 f"pool has {self.kv_cache_manager.num_usable_blocks}: raise num_kv_blocks"
             )
+        prompt = None
+        if params.prompt_logprobs is not None:
+            if not self.runner.supports_prompt_logprobs:
+                raise ValueError(
+                    f"SamplingParams.prompt_logprobs={params.prompt_logprobs!r} needs a model "
+                    f"with forward_paged_hidden and logits (every paged_jax.models model has "
+                    f"them); {self._model_name} has not: pass prompt_logprobs=None"
+                )
+            req.cache_salt = self.own_cache_salt(req.cache_salt)
+            prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs, req.cache_salt)
         if params.n > 1:
-            self._add_parent(req)
+            self._add_parent(req, prompt)
             return
-        self._register(request_id, params)
+        self._register(request_id, params, prompt, owns_prompt=True)
         self.scheduler.add_request(req)
+
+    def own_cache_salt(self, cache_salt: str | None) -> str | None:
+        """A prefix-cache salt that no other request of this engine has (prompt logprobs).
+
+        Only full blocks with equal salts match, so a request with it never reads a block
+        another request cached; its own blocks stay hittable by itself (a preempted
+        request resumes from them). With prefix caching off the salt is kept as given.
+        """
+        if not self.config.enable_prefix_caching:
+            return cache_salt
+        return f"{cache_salt or ''}\x00prompt logprobs {next(self._salt_ids)}"
 
     @_serialised
     def fork_request(
@@ -348,6 +395,9 @@ class Engine:
             output_token_ids: the child's outputs so far; default the parent's (or none
                 with a new prompt).
             sampling_params: the child's; default the parent's.
+
+        A child computes none of its prompt, so it reports no prompt logprobs whatever
+        its SamplingParams.prompt_logprobs.
 
         Raises:
             ValueError: an unknown or not-running parent, a taken child id, token ids
@@ -432,22 +482,40 @@ class Engine:
             request_id in self._parents or request_id in self._parent_of
         )
 
-    def _register(self, request_id: str, params: SamplingParams) -> None:
+    def _register(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        prompt: PromptLogprobs | None = None,
+        *,
+        owns_prompt: bool = False,
+    ) -> None:
+        """Creates a request's engine state; ``prompt`` collects the prompt logprobs it
+        computes (its own output reports them when ``owns_prompt``)."""
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
+        wants = params.logprobs is not None
         self._states[request_id] = _ReqState(
-            params, seed, [] if params.logprobs is not None else None
+            params,
+            seed,
+            [] if wants else None,
+            [] if wants else None,
+            prompt=prompt,
+            owns_prompt=owns_prompt,
         )
         self._awaiting_first_token.add(request_id)
         if params.stop:
             self._stop_string_ids.add(request_id)
-        if params.logprobs is not None:
+        if wants:
             self._num_logprobs_live += 1
+        if prompt is not None:
+            self._prompt_logprobs[request_id] = prompt
 
     def _unregister(self, request_id: str) -> _ReqState:
         """Drops a request's engine state (the inverse of _register)."""
         st = self._states.pop(request_id)
         self._awaiting_first_token.discard(request_id)
         self._stop_string_ids.discard(request_id)
+        self._prompt_logprobs.pop(request_id, None)
         if st.logprobs is not None:
             self._num_logprobs_live -= 1
         return st
@@ -513,8 +581,12 @@ class Engine:
         return self._finish(req)
 
     # ------------------------------------------------------------ parallel sampling
-    def _add_parent(self, req: Request) -> None:
-        """Queues an n > 1 request (validated as ``req``): its carrier, or its samples."""
+    def _add_parent(self, req: Request, prompt: PromptLogprobs | None) -> None:
+        """Queues an n > 1 request (validated as ``req``): its carrier, or its samples.
+
+        ``prompt`` collects the parent's prompt logprobs, computed by its carrier (or by
+        samples that fell back to plain requests before the carrier finished them).
+        """
         parent = ParallelSampleRequest(
             req.request_id,
             req.prompt_token_ids,
@@ -532,6 +604,8 @@ class Engine:
         self._parents[parent.request_id] = parent
         for rid in parent.request_ids:
             self._parent_of[rid] = parent
+        if prompt is not None:
+            self._parent_prompt_logprobs[parent.request_id] = prompt
         if parent.carrier_id is None:  # a one-token prompt has nothing to prefill first
             for sample_id, params in parent.samples:
                 self._add_part(parent, sample_id, parent.prompt_token_ids, params, req.arrival_time)
@@ -549,8 +623,10 @@ class Engine:
         params: SamplingParams,
         arrival_time: float | None,
     ) -> None:
-        """Queues a parent's carrier or one of its samples as a plain request."""
-        self._register(request_id, params)
+        """Queues a parent's carrier or one of its samples as a plain request (computing
+        the parent's prompt logprobs while they are incomplete)."""
+        prompt = self._parent_prompt_logprobs.get(parent.request_id)
+        self._register(request_id, params, None if prompt is None or prompt.complete else prompt)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -619,7 +695,11 @@ class Engine:
         del self._parents[parent.request_id]
         for rid in parent.request_ids:
             del self._parent_of[rid]
-        return parent.output(time.time())
+        out = parent.output(time.time())
+        prompt = self._parent_prompt_logprobs.pop(parent.request_id, None)
+        if prompt is not None:
+            out.prompt_logprobs, out.prompt_logprob_ranks = prompt.output()
+        return out
 
     # ------------------------------------------------------------ step
     @_serialised
@@ -667,11 +747,19 @@ class Engine:
                 self._record_blocks_per_request(out)
                 c0 = clock()
                 step = self.input_batch.prepare(out.scheduled, out.block_copies)
+                rows = targets = prompt = None
+                if self._prompt_logprobs:  # nothing to do for the steps of other requests
+                    rows, targets, prompt = self._prompt_rows(out.scheduled)
                 c1 = clock()
-                pending = self.runner.dispatch(step, with_logprobs=self._num_logprobs_live > 0)
+                pending = self.runner.dispatch(
+                    step,
+                    with_logprobs=self._num_logprobs_live > 0,
+                    prompt_rows=rows,
+                    prompt_targets=targets,
+                )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                launched = InFlightStep.launch(out, sched.requests, pending, cached)
+                launched = InFlightStep.launch(out, sched.requests, pending, cached, prompt)
                 self._num_steps += 1
             ready = launched
             if self.config.async_scheduling and not self._synchronous:
@@ -739,8 +827,56 @@ class Engine:
             kv.uncache_blocks(unconfirmed)
         self._undelivered.extend(finished)
 
+    def _prompt_rows(
+        self, seqs: Sequence[Any]
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[PromptLogprobs, range]]]:
+        """The step's token rows whose logprobs some PromptLogprobs still lacks.
+
+        Returns (rows i32[N] in the packed step, the prompt token each is scored at
+        i32[N], per PromptLogprobs its positions in row order). Rows are packed in
+        scheduling order (InputBatch.prepare); positions already recorded are skipped.
+        """
+        rows: list[int] = []
+        targets: list[int] = []
+        parts = []
+        start = 0
+        recorders = self._prompt_logprobs
+        for seq in seqs:
+            prompt = recorders.get(seq.req_id)
+            if prompt is not None:
+                first = seq.num_computed_tokens
+                wanted = prompt.wanted(max(first, len(prompt.logprobs)), first + seq.num_new_tokens)
+                if wanted:
+                    rows.extend(range(start + wanted.start - first, start + wanted.stop - first))
+                    targets.extend(prompt.prompt_token_ids[wanted.start + 1 : wanted.stop + 1])
+                    parts.append((prompt, wanted))
+            start += seq.num_new_tokens
+        return np.asarray(rows, np.int32), np.asarray(targets, np.int32), parts
+
+    def _record_prompt_logprobs(self, step: InFlightStep, result) -> None:
+        """Files a read step's prompt logprobs with the PromptLogprobs they belong to.
+
+        Kept even when the request has ended meanwhile: the values are the model's for
+        those positions, and a parallel-sampling parent's fallback samples may resume
+        from blocks its aborted carrier computed.
+        """
+        values = result.prompt_logprobs
+        i = 0
+        for prompt, positions in step.prompt:
+            j = i + len(positions)
+            prompt.add(
+                positions,
+                values.logprobs[i:j],
+                values.ranks[i:j],
+                values.top_token_ids[i:j],
+                values.top_logprobs[i:j],
+            )
+            i = j
+
     def _process_outputs(self, step: InFlightStep, result) -> list[EngineOutput]:
         """Append one finished device step's tokens; stops; returns the finished requests."""
+        if step.prompt:  # before a request that finishes in this step reports them
+            self._record_prompt_logprobs(step, result)
         sched = self.scheduler
         sampled, broken = self._record_samples(step, result)
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
@@ -872,11 +1008,16 @@ class Engine:
                 st = self._states[seq.req_id]
                 if st.logprobs is None:
                     continue
-                entry = {token_ids[i]: float(result.logprobs[i])}
                 k = st.params.logprobs
-                for tid, lp in zip(result.top_token_ids[i, :k], result.top_logprobs[i, :k]):
-                    entry[int(tid)] = float(lp)
+                entry, ranks = logprob_entry(
+                    token_ids[i],
+                    float(result.logprobs[i]),
+                    int(result.ranks[i]),
+                    result.top_token_ids[i, :k].tolist(),
+                    result.top_logprobs[i, :k].tolist(),
+                )
                 st.logprobs.append(entry)
+                st.logprob_ranks.append(ranks)
         return sampled, broken
 
     def _record_blocks_per_request(self, out) -> None:
@@ -934,6 +1075,9 @@ class Engine:
     def _finish(self, req: Request) -> EngineOutput:
         st = self._unregister(req.request_id)
         self.runner.drop_swapped(req.request_id)
+        prompt = ranks = None
+        if st.owns_prompt and st.prompt is not None:
+            prompt, ranks = st.prompt.output()
         return EngineOutput(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -947,6 +1091,9 @@ class Engine:
             finish_time=time.time(),
             num_cached_tokens=self._num_cached_tokens.pop(req.request_id, 0),
             num_preemptions=req.num_preemptions,
+            logprob_ranks=st.logprob_ranks,
+            prompt_logprobs=prompt,
+            prompt_logprob_ranks=ranks,
         )
 
     # ------------------------------------------------------------ warmup + stats
@@ -968,7 +1115,7 @@ class Engine:
         context = program_context(self._model_identity, self.config, self.runner.num_kv_blocks)
         cache = ExecutableCache(self._executable_cache_dir, context)
         self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
-        self._compiles_after_warmup = num_backend_compiles()
+        self._compiles_after_warmup = self.runner.num_compiles
         return len(self.warmup_report.programs)
 
     @_serialised
@@ -987,8 +1134,9 @@ class Engine:
         """Counters since construction and step times since the last reset_step_times().
 
         Counters: steps, preemptions, prefix-cache hits, KV usage (now and peak,
-        fractions of usable blocks), compiles (total and after warm-up), running and
-        waiting requests. Times per step() call that ran or read a device step, in ms:
+        fractions of usable blocks), compiles of the engine's own programs (total and
+        after warm-up; compiles of other code in the process, a user's jnp calls among
+        them, never count), running and waiting requests. Times per step() call that ran or read a device step, in ms:
         ``step_time_ms`` (median wall time), ``host_time_ms`` (median wall time less
         the wait for device tokens), ``host_time_min_ms``, ``host_time_total_ms``, and
         ``host_phase_time_ms``: the median of each of HOST_PHASES (scheduler,
@@ -996,11 +1144,10 @@ class Engine:
         ``phase_clock`` time.
         """
         stats = self.kv_cache_manager.prefix_cache_stats
-        total = num_backend_compiles() - self._compiles_at_start
+        compiles = self.runner.num_compiles
+        total = compiles - self._compiles_at_start
         after = (
-            None
-            if self._compiles_after_warmup is None
-            else num_backend_compiles() - self._compiles_after_warmup
+            None if self._compiles_after_warmup is None else compiles - self._compiles_after_warmup
         )
         return {
             "num_steps": self._num_steps,

@@ -31,7 +31,13 @@ from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
 from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
-from paged_jax.outputs import CompletionOutput, EngineOutput, RequestMetrics, RequestOutput
+from paged_jax.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    RequestMetrics,
+    RequestOutput,
+    logprob_objects,
+)
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -73,7 +79,8 @@ class LLM:
             $PAGED_JAX_COMPILE_CACHE or ~/.cache/paged_jax/jax_compile_cache, a path
             chooses the directory. PAGED_JAX_COMPILE_CACHE=0 turns it off whatever is
             passed.
-        chat_template: Jinja text overriding the checkpoint's chat template (LLM.chat).
+        chat_template: Jinja text used by chat() and render_chat() when the call passes
+            none; it overrides the checkpoint's chat template.
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
@@ -152,6 +159,7 @@ class LLM:
 
             tokenizer = Tokenizer.from_file(str(tokenizer))
         self.tokenizer = tokenizer
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, per token id
         self.engine = Engine(
             self.model,
             config,
@@ -193,6 +201,24 @@ class LLM:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer this LLM encodes prompts and decodes outputs with (vLLM's
+        LLM.get_tokenizer): a ``tokenizers.Tokenizer`` (``encode(text).ids``,
+        ``decode(ids)``), or None when the model has none (prompts must be token ids,
+        texts are "")."""
+        return self.tokenizer
+
+    def decode_token(self, token_id: int) -> str | None:
+        """One token's text, special tokens included (Logprob.decoded_token); None
+        without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
     # ------------------------------------------------------------------ generate
     def generate(
         self,
@@ -203,14 +229,22 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates completions for every prompt; outputs come back in input order.
 
+        Input is checked before anything runs, as in vLLM: one prompt that cannot be
+        served (empty, too long, a token id outside the vocabulary, text without a
+        tokenizer, a bad SamplingParams) raises and no prompt is run. A request that
+        fails while running (non-finite logits, say) does not raise: its completions
+        end with finish_reason "error" and, when all of them did, the RequestOutput's
+        ``error`` says why. ``generate_iter`` serves the others instead of raising,
+        returning a rejected prompt as a RequestOutput with ``error`` set.
+
         Args:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar with running output tokens/s.
 
         Raises:
-            ValueError: a bad prompt or SamplingParams (naming its index); nothing
-                is run in that case.
+            ValueError: a bad prompt or SamplingParams, the message starting with its
+                index (``prompts[3]: ...``); nothing is run in that case.
         """
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
@@ -241,9 +275,11 @@ class LLM:
         """Like generate, but yields (prompt index, output) as each prompt finishes.
 
         A prompt that cannot be served (empty, too long, a token id outside the
-        vocabulary, text without a tokenizer, a failed request) does not stop the
-        others: it is yielded as a RequestOutput whose `error` says why, with no
-        completions. Rejected prompts come first, then the rest in finish order.
+        vocabulary, text without a tokenizer) does not stop the others: it is yielded
+        as a RequestOutput whose `error` says why (``prompts[i]: ...``, the message
+        generate would raise), with no completions. A request that fails while running
+        comes back as in generate: completions with finish_reason "error" and `error`
+        set when all failed. Rejected prompts come first, then the rest in finish order.
 
         The prompts are submitted at the first ``next()``. Closing the iterator before
         its end (``close()``, leaving its for loop, dropping the last reference) aborts
@@ -268,11 +304,7 @@ class LLM:
             while waiting:
                 for out in self._step_for(waiting):
                     i, sub, p = pending.pop(out.request_id)
-                    result = self._collect(*sub, {out.request_id: out}, p)
-                    errors = [c.error for c in result.outputs if c.finish_reason == "error"]
-                    if errors and len(errors) == len(result.outputs):
-                        result.error = errors[0] or "request failed"
-                    yield i, result
+                    yield i, self._collect(*sub, {out.request_id: out}, p)
         finally:
             if waiting:  # closed early, dropped, or an exception: abort the rest
                 self._abandon(waiting)
@@ -519,12 +551,23 @@ class LLM:
         finished: dict[str, EngineOutput],
         params: SamplingParams,
     ) -> RequestOutput:
-        outs = finished.pop(rid).completions
+        """The RequestOutput of one finished request (``error`` set when every
+        completion failed)."""
+        top = finished.pop(rid)
+        outs = top.completions
         firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
+        decode_token = self.decode_token if self.tokenizer is not None else None
         completions = [
-            CompletionOutput.from_engine_output(j, o, params, self.decode)
+            CompletionOutput.from_engine_output(j, o, params, self.decode, decode_token)
             for j, o in enumerate(outs)
         ]
+        prompt_logprobs = None
+        if top.prompt_logprobs is not None:
+            prompt_logprobs = logprob_objects(
+                top.prompt_logprobs, top.prompt_logprob_ranks, decode_token
+            )
+        errors = [c.error for c in completions if c.finish_reason == "error"]
+        error = (errors[0] or "request failed") if errors and len(errors) == len(outs) else None
         return RequestOutput(
             request_id=rid,
             prompt=text,
@@ -538,6 +581,8 @@ class LLM:
                 num_generated_tokens=sum(len(o.token_ids) for o in outs),
                 num_cached_tokens=max(o.num_cached_tokens for o in outs),
             ),
+            error=error,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ inputs

@@ -59,6 +59,11 @@ class PagedModel(Protocol):
     every group's slot mapping and table in ``attn_metadata`` (a layer of group g reads
     ``attn_metadata.for_group(g)``). Without it the engine uses one full-attention group,
     ``for_group(0)`` (windows, if any, keep every block).
+
+    Optional: ``forward_paged_hidden(...)`` (forward_paged's arguments) -> (f[T, hidden]
+    last-layer output at every token, caches) and ``logits(hidden) -> f32[..., vocab]``,
+    with forward_paged equal to ``logits(hidden[logits_indices])``: the engine then serves
+    ``SamplingParams.prompt_logprobs`` (every paged_jax.models model has both).
     """
 
     config: PagedModelConfig

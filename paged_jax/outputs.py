@@ -1,13 +1,96 @@
-"""Finished outputs: the engine's EngineOutput and LLM.generate's vLLM-shaped RequestOutput."""
+"""Finished outputs: the engine's EngineOutput and LLM.generate's vLLM-shaped RequestOutput.
+
+The engine keeps logprobs cheap (``{token id: float}`` per position and a parallel list
+of ranks); ``RequestOutput`` and ``CompletionOutput`` carry vLLM's ``Logprob`` objects,
+built from those by ``logprob_objects``.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paged_jax.sampling_params import SamplingParams
+
+# One position's logprobs as the engine keeps them: {token id: logprob}, the chosen
+# (sampled or prompt) token first, then the top ones; and the rank of each, in that order.
+LogprobEntry = dict[int, float]
+RankEntry = list[int]
+
+
+@dataclasses.dataclass
+class Logprob:
+    """One token's log-probability at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: the log-probability, from the raw model distribution (log-softmax of
+            the logits before temperature, penalties or other processing).
+        rank: 1-based rank of the token in that distribution: how many tokens are at
+            least as likely (the chosen token's real rank even outside the top ones;
+            the top entries rank 1..k).
+        decoded_token: the tokenizer's text of this one token, None without a tokenizer.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_entry(
+    token_id: int,
+    logprob: float,
+    rank: int,
+    top_token_ids: Sequence[int],
+    top_logprobs: Sequence[float],
+) -> tuple[LogprobEntry, RankEntry]:
+    """One position's entry: the chosen token, then the top ones (vLLM's order and ranks).
+
+    A chosen token that is also a top one keeps its place first and takes that top
+    entry's rank, as in vLLM.
+    """
+    entry = {token_id: logprob}
+    ranks = [rank]
+    for j, (tid, lp) in enumerate(zip(top_token_ids, top_logprobs)):
+        if tid == token_id:
+            ranks[0] = j + 1
+        else:
+            ranks.append(j + 1)
+        entry[tid] = lp
+    return entry, ranks
+
+
+def logprob_objects(
+    entries: Sequence[LogprobEntry | None],
+    ranks: Sequence[RankEntry | None] | None,
+    decode_token: Callable[[int], str | None] | None = None,
+) -> list[dict[int, Logprob] | None]:
+    """The engine's entries as vLLM's ``{token id: Logprob}`` dicts (None stays None).
+
+    Args:
+        entries: per position {token id: logprob}.
+        ranks: per position the ranks of the entry's tokens in its order; None when
+            unknown (every rank is then None).
+        decode_token: token id -> its text; None leaves decoded_token None.
+    """
+    out: list[dict[int, Logprob] | None] = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        rank_list = ranks[i] if ranks is not None else None
+        out.append(
+            {
+                tid: Logprob(
+                    lp,
+                    None if rank_list is None else rank_list[j],
+                    None if decode_token is None else decode_token(tid),
+                )
+                for j, (tid, lp) in enumerate(entry.items())
+            }
+        )
+    return out
 
 
 @dataclasses.dataclass
@@ -28,8 +111,15 @@ class EngineOutput:
         finish_reason: "stop", "length", "abort" or "error".
         stop_reason: the stop string or stop token that ended it, if any.
         error: why the request failed (finish_reason "error").
-        logprobs: per generated token {token id: logprob} (sampled token plus the
-            top `SamplingParams.logprobs`), or None when not asked for.
+        logprobs: per generated token {token id: logprob} (sampled token first, then
+            the top `SamplingParams.logprobs`), or None when not asked for.
+        logprob_ranks: per generated token the 1-based ranks of that entry's tokens,
+            in its order (see ``logprob_entry``); None with logprobs None.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`: None for the first
+            prompt token, then per prompt token {that token: logprob, + the top ones};
+            None when not asked for (a parallel-sampling parent holds its prompt's).
+            A request that ended before its prompt was computed has fewer entries.
+        prompt_logprob_ranks: the ranks of prompt_logprobs, aligned with it.
         arrival_time / first_token_time / finish_time: wall-clock seconds.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         num_preemptions: how often the request was preempted.
@@ -43,13 +133,16 @@ class EngineOutput:
     finish_reason: str
     stop_reason: str | int | None = None
     error: str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[LogprobEntry] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float = 0.0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     samples: list[EngineOutput] | None = None
+    logprob_ranks: list[RankEntry] | None = None
+    prompt_logprobs: list[LogprobEntry | None] | None = None
+    prompt_logprob_ranks: list[RankEntry | None] | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -71,7 +164,11 @@ class CompletionOutput:
         token_ids: generated token ids (the stop token or EOS is included).
         finish_reason: "stop", "length", "abort" or "error".
         stop_reason: the stop string or stop token id that ended it; None for EOS/length.
-        logprobs: per token {token id: logprob} when SamplingParams.logprobs was set.
+        logprobs: per generated token {token id: Logprob} when SamplingParams.logprobs
+            was set: the sampled token (with its real rank) and the top
+            SamplingParams.logprobs tokens (ranks 1..k); ``logprobs[i][t].logprob``.
+        cumulative_logprob: the sum of the generated tokens' logprobs; None when
+            SamplingParams.logprobs was not set (as vLLM V1).
         error: what went wrong when finish_reason is "error".
     """
 
@@ -80,8 +177,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str
     stop_reason: str | int | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
+    cumulative_logprob: float | None = None
 
     @classmethod
     def from_engine_output(
@@ -90,6 +188,7 @@ class CompletionOutput:
         out: EngineOutput,
         params: SamplingParams,
         decode: Callable[..., str],
+        decode_token: Callable[[int], str | None] | None = None,
     ) -> CompletionOutput:
         """One completion with vLLM's text rules.
 
@@ -101,6 +200,7 @@ class CompletionOutput:
             out: the finished (sample's) engine output.
             params: the prompt's SamplingParams (its text settings).
             decode: ``decode(token_ids, skip_special_tokens=...) -> str``.
+            decode_token: token id -> text for Logprob.decoded_token; None leaves it None.
         """
         ids = list(out.token_ids)
         keep_stop = params.include_stop_str_in_output
@@ -110,14 +210,19 @@ class CompletionOutput:
         if isinstance(out.stop_reason, str) and out.stop_reason in text:
             end = text.find(out.stop_reason)
             text = text[: end + len(out.stop_reason)] if keep_stop else text[:end]
+        logprobs = cumulative = None
+        if out.logprobs is not None:
+            logprobs = logprob_objects(out.logprobs, out.logprob_ranks, decode_token)
+            cumulative = float(sum(lp[t] for lp, t in zip(out.logprobs, ids)))
         return cls(
             index=index,
             text=text,
             token_ids=ids,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
-            logprobs=out.logprobs,
+            logprobs=logprobs,
             error=out.error,
+            cumulative_logprob=cumulative,
         )
 
 
@@ -143,8 +248,17 @@ class RequestMetrics:
 class RequestOutput:
     """Everything LLM.generate returns for one prompt, in input order.
 
-    `error` is set (and `outputs` empty) when LLM.generate_iter could not serve the
-    prompt; LLM.generate raises instead.
+    Attributes:
+        request_id / prompt / prompt_token_ids: the request and its prompt.
+        outputs: its completions (n of them; beams are LLM.beam_search's).
+        metrics: timing and token counts.
+        prompt_logprobs: with SamplingParams.prompt_logprobs: None for the first
+            prompt token, then for each later one {that token: Logprob, + the top
+            prompt_logprobs tokens} from the raw model distribution; None otherwise.
+        error: why the prompt was not served, else None. Set (with ``outputs``
+            empty) for a prompt LLM.generate_iter rejected (LLM.generate raises on
+            such input before running anything), and, by both, when every completion
+            failed while running (their finish_reason is "error").
     """
 
     request_id: str
@@ -154,3 +268,4 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     error: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

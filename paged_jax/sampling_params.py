@@ -35,6 +35,10 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: return this many top logprobs per generated token (plus the
             sampled token's own); None returns none.
+        prompt_logprobs: return this many top logprobs per prompt token (plus the
+            prompt token's own) from the raw model distribution; None returns none.
+            The request then never reads the prefix cache (every prompt position
+            must be computed), as in vLLM.
         presence_penalty: subtracted once from the logit of every token already in
             the output (vLLM/OpenAI semantics); in [-2, 2], 0 disables it.
         frequency_penalty: subtracted from a token's logit once per occurrence in
@@ -59,6 +63,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -106,10 +111,10 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             fail(self, "ignore_eos", "a bool")
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            fail(self, "logprobs", f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                fail(self, name, f"None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value):

@@ -22,6 +22,7 @@ PUBLIC = {
     "BeamSearchSequence": "paged_jax.beam_search",
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
+    "Logprob": "paged_jax.outputs",
     "PagedModel": "paged_jax.model_api",
     "PagedModelConfig": "paged_jax.model_api",
     "KVCacheManager": "paged_jax.core.kv_cache_manager",

@@ -8,7 +8,8 @@ starts, so they run this module in a subprocess (XLA_FLAGS=
 
 spec.json: a list of runs, each {"name", "path", "tensor_parallel_size", "engine": {EngineConfig
 fields}, "prompts": [[ids]], "max_tokens", "sampling_seeds": [seeds] (optional)}.
-out.json: {name: {"greedy": [[ids]], "seeded": [[ids]], "stats": {...}, "devices": n}}.
+out.json: {name: {"greedy": [[ids]], "seeded": [[ids]], "prompt_logprobs": [[logprob, rank]]
+(the first prompt's), "stats": {...}, "devices": n}}.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
             for s in run["sampling_seeds"]
         ]
         seeded = llm.generate(prompts[: len(params)], params, use_tqdm=False)
+    # The prompt-logprobs program reads the step's hidden states (sharded model, one
+    # replicated chunk): each prompt token's logprob and rank.
+    scored = llm.generate(
+        prompts[:1], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False
+    )[0]
+    prompt_logprobs = [
+        [lp[t].logprob, lp[t].rank]
+        for lp, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])
+    ]
     stats = llm.get_stats()
     kv = llm.engine.kv_cache_manager
     kv.check_invariants()
@@ -45,6 +55,7 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
     return {
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "seeded": [o.outputs[0].token_ids for o in seeded],
+        "prompt_logprobs": prompt_logprobs,
         "stats": {
             **stats,
             "all_blocks_free": kv.num_free_blocks == kv.num_usable_blocks,

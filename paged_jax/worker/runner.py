@@ -10,15 +10,19 @@ none launch no copy kernel. The KV caches are donated to both so XLA updates the
 place. Every input has a bucketed shape, so `warmup()` builds each bucket's program
 (and each decode-only one, and the copy's) once ahead of time, or loads it from the
 executable cache (paged_jax.worker.executable_cache); dispatch calls those programs and
-serving never compiles; a global listener on jax's compile events keeps an honest count. With
+serving never compiles. A listener on jax's compile events counts, per Runner, the
+compiles its own calls make (``Runner.num_compiles``), not those of other code. With
 `EngineConfig.validate` both are checkified: a bad block id, slot or copy pair raises
 instead of corrupting the cache.
 Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite).
+Prompt logprobs: the step also returns the last layer's output in fixed-size chunks,
+and one more program turns a chunk into each row's logprobs (dispatch's prompt_rows).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -47,7 +51,13 @@ from paged_jax.models.layer_scan import (
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
-from paged_jax.worker.sampling import SamplerOutput, sample, with_fed_last_token
+from paged_jax.worker.sampling import (
+    SamplerOutput,
+    TokenLogprobs,
+    sample,
+    token_logprobs,
+    with_fed_last_token,
+)
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
 from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
 from pallas_kernels.layout import max_offset_safe_blocks
@@ -58,18 +68,40 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
 _compile_count = 0
 _listener_installed = False
+# The Runner whose own programs this thread is running or building (counting_compiles):
+# jax reports a compile in the thread that compiles, so a thread-local scope tells the
+# engine's compiles from those of other code in the process (a user's eager jnp ops).
+_compile_scope = threading.local()
 
 
 def _on_event(name: str, *_args: Any, **_kwargs: Any) -> None:
     global _compile_count
     if name == _COMPILE_EVENT:
+        runner = getattr(_compile_scope, "runner", None)
         with _compile_lock:
             _compile_count += 1
+            if runner is not None:
+                runner.num_compiles += 1
 
 
 def num_backend_compiles() -> int:
-    """XLA backend compilations in this process since the first Runner was built."""
+    """XLA backend compilations in this process (any code's) since the first Runner was built."""
     return _compile_count
+
+
+def counting_compiles(method):
+    """Counts the backend compiles this thread makes inside ``method`` in ``self.num_compiles``."""
+
+    @functools.wraps(method)
+    def counted(self, *args, **kwargs):
+        outer = getattr(_compile_scope, "runner", None)
+        _compile_scope.runner = self
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _compile_scope.runner = outer
+
+    return counted
 
 
 def _install_compile_listener() -> None:
@@ -226,6 +258,23 @@ def record_tokens(row_tokens: jax.Array, sampled: jax.Array, sample_rows: jax.Ar
     return row_tokens.at[sample_rows].set(jnp.maximum(sampled, 0), mode="drop")
 
 
+# Rows of hidden states one prompt-logprobs program call reads (at most the largest step).
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+def prompt_chunk_size(config: EngineConfig) -> int:
+    """Rows per prompt-logprobs chunk: PROMPT_LOGPROBS_CHUNK, or the largest step if smaller."""
+    return min(PROMPT_LOGPROBS_CHUNK, config.token_buckets[-1])
+
+
+def split_rows(x: jax.Array, rows: int) -> tuple[jax.Array, ...]:
+    """f[T, D] as ceil(T / rows) arrays f[rows, D] (the last zero-padded): one fixed shape
+    for every bucket T, so one compiled program reads any chunk of any step."""
+    num_chunks = -(-x.shape[0] // rows)
+    x = jnp.pad(x, ((0, num_chunks * rows - x.shape[0]), (0, 0)))
+    return tuple(x[c * rows : (c + 1) * rows] for c in range(num_chunks))
+
+
 def program_key(step: StepInput) -> tuple[int, int, bool]:
     """What selects a step's program: its (num_tokens, num_seqs) shape and decode_only."""
     num_tokens, num_seqs = step.bucket
@@ -238,15 +287,53 @@ def program_name(step: StepInput) -> str:
     return f"step tokens={num_tokens} seqs={num_seqs}" + (" decode-only" if decode_only else "")
 
 
+class PendingPromptLogprobs:
+    """Prompt-logprob programs dispatched for one step, their outputs being copied to the host.
+
+    ``parts`` holds, per chunk of hidden states run: the indices of the requested rows
+    it serves, their rows within the chunk, and the program's TokenLogprobs.
+    """
+
+    def __init__(self, num_rows: int, parts: list[tuple[np.ndarray, np.ndarray, TokenLogprobs]]):
+        for _, _, out in parts:
+            for array in out:
+                array.copy_to_host_async()
+        self._num_rows = num_rows
+        self._parts = parts
+
+    def result(self) -> TokenLogprobs:
+        """Host arrays in the order the rows were requested: f32[N], i32[N], i32[N, K], f32[N, K]."""
+        host = [(sel, local, jax.device_get(out)) for sel, local, out in self._parts]
+        k = host[0][2].top_token_ids.shape[1]
+        n = self._num_rows
+        result = TokenLogprobs(
+            np.zeros(n, np.float32),
+            np.zeros(n, np.int32),
+            np.zeros((n, k), np.int32),
+            np.zeros((n, k), np.float32),
+        )
+        for sel, local, out in host:
+            for dst, src in zip(result, out):
+                dst[sel] = np.asarray(src)[local]
+        return result
+
+
 class PendingStep:
     """A dispatched step whose sampler outputs are being copied to the host.
 
     with_logprobs=False copies only the sampled ids (each copied output costs host
     time every step); the result's logprob fields are then None. The non-finite flags
     ride in those ids (NONFINITE_TOKEN_ID), so they cost no copy of their own.
+    ``prompt`` holds the step's prompt-logprob programs, if it asked for any.
     """
 
-    def __init__(self, out: SamplerOutput, num_seqs: int, with_logprobs: bool = True):
+    def __init__(
+        self,
+        out: SamplerOutput,
+        num_seqs: int,
+        with_logprobs: bool = True,
+        prompt: PendingPromptLogprobs | None = None,
+    ):
         if with_logprobs:
             for array in out:
                 array.copy_to_host_async()
@@ -255,13 +342,15 @@ class PendingStep:
         self._out = out
         self._num_seqs = num_seqs
         self._with_logprobs = with_logprobs
+        self._prompt = prompt
 
     def result(self) -> StepResult:
         """Waits for the step and returns the samples of its real sequences."""
         n = self._num_seqs
+        prompt = None if self._prompt is None else self._prompt.result()
         if not self._with_logprobs:
             token_ids, nonfinite = _split_nonfinite(np.asarray(self._out.token_ids)[:n])
-            return StepResult(token_ids, None, None, None, nonfinite)
+            return StepResult(token_ids, None, None, None, nonfinite, prompt_logprobs=prompt)
         out = jax.device_get(self._out)
         token_ids, nonfinite = _split_nonfinite(np.asarray(out.token_ids[:n]))
         return StepResult(
@@ -270,6 +359,8 @@ class PendingStep:
             np.asarray(out.top_token_ids[:n]),
             np.asarray(out.top_logprobs[:n]),
             nonfinite,
+            np.asarray(out.ranks[:n]),
+            prompt,
         )
 
 
@@ -285,11 +376,13 @@ def _split_nonfinite(sampled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class StepResult:
     """Host copies of the sampler's outputs for the real (unpadded) sequences.
 
-    The logprob fields are None for a step dispatched with with_logprobs=False.
-    ``nonfinite[s]`` is True where sequence s's logits held a NaN or an infinity (broken
-    weights or config); its token is then 0 and its logprobs NaN, and the request
-    should end with an error rather than keep the token. The runner always sets it
-    (all False on a healthy step); None only in a result built without a runner.
+    The logprob fields (ranks included) are None for a step dispatched with
+    with_logprobs=False. ``nonfinite[s]`` is True where sequence s's logits held a NaN
+    or an infinity (broken weights or config); its token is then 0 and its logprobs
+    NaN, and the request should end with an error rather than keep the token. The
+    runner always sets it (all False on a healthy step); None only in a result built
+    without a runner. ``prompt_logprobs`` holds the requested prompt rows' next-token
+    logprobs (Runner.dispatch's prompt_rows, in that order), else None.
     """
 
     token_ids: np.ndarray  # i32[num_seqs]
@@ -297,6 +390,8 @@ class StepResult:
     top_token_ids: np.ndarray | None  # i32[num_seqs, MAX_LOGPROBS]
     top_logprobs: np.ndarray | None  # f32[num_seqs, MAX_LOGPROBS]
     nonfinite: np.ndarray | None = None  # bool[num_seqs]
+    ranks: np.ndarray | None = None  # i32[num_seqs]; sampled token's 1-based rank
+    prompt_logprobs: TokenLogprobs | None = None  # [N] rows asked for
 
 
 class Runner:
@@ -321,6 +416,9 @@ class Runner:
 
     def __init__(self, model: PagedModel, config: EngineConfig, *, owns_model: bool = False):
         _install_compile_listener()
+        # Backend compiles of this runner's own programs (counting_compiles): its calls
+        # count, other code's compiles in the process never do.
+        self.num_compiles = 0
         self.config = config
         tp = config.tensor_parallel_size
         kv_dtype = kv_cache_jnp_dtype(config.kv_cache_dtype)  # None: the model's dtype
@@ -388,6 +486,16 @@ class Runner:
                 del weights
                 return model, {}
 
+        # Prompt logprobs read the last layer's output at every token: a model with
+        # forward_paged_hidden and logits (every paged_jax.models model) has the step
+        # return it, cut into chunks of prompt_chunk rows, and one program of that fixed
+        # shape (prompt_logprobs_program) turns a chunk into logprobs.
+        self.supports_prompt_logprobs = callable(
+            getattr(model, "forward_paged_hidden", None)
+        ) and callable(getattr(model, "logits", None))
+        self.prompt_chunk = prompt_chunk_size(config)
+        chunk, hidden_path = self.prompt_chunk, self.supports_prompt_logprobs
+
         def step_fn(
             weights: Any,
             kv_caches: list,  # donated
@@ -398,17 +506,35 @@ class Runner:
             attention: AttentionMetadata,
             sampling: SamplingMetadata,
             feed: TokenFeed,
-        ) -> tuple[SamplerOutput, list, jax.Array]:
+        ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             if kv_scales is not None:
                 extra["kv_scales"] = kv_scales
-            logits, kv_caches = m.forward_paged(
-                token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
-            )
+            hidden_chunks = ()
+            if hidden_path:
+                hidden, kv_caches = m.forward_paged_hidden(
+                    token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
+                )
+                logits = m.logits(hidden[attention.logits_indices])
+                hidden_chunks = split_rows(hidden, chunk)
+            else:
+                logits, kv_caches = m.forward_paged(
+                    token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
+                )
             sampling = with_fed_last_token(sampling, token_ids, attention.logits_indices)
             out = sample(gather(logits), sampling)
-            return out, kv_caches, record_tokens(row_tokens, out.token_ids, feed.sample_rows)
+            row_tokens = record_tokens(row_tokens, out.token_ids, feed.sample_rows)
+            return out, kv_caches, row_tokens, hidden_chunks
+
+        def prompt_fn(
+            weights: Any,
+            hidden: jax.Array,  # f[prompt_chunk, hidden] one chunk of a step's hidden states
+            targets: jax.Array,  # i32[prompt_chunk] the token each row's logprob is read at
+        ) -> TokenLogprobs:
+            m, _ = merge(weights)
+            logits = gather(m.logits(hidden)).astype(jnp.float32)
+            return token_logprobs(jax.nn.log_softmax(logits, axis=-1), targets)
 
         if config.validate:  # the kernels' checkify.checks become an error output
             step_fn = checkify.checkify(step_fn)
@@ -419,13 +545,15 @@ class Runner:
             # Donated caches come back with their input sharding (jax#25346); row tokens
             # live replicated from the start, so the first step sees the same shardings.
             rep = self.tp.replicated
-            shardings = (rep, self.tp.kv_sharding, rep)
+            shardings = (rep, self.tp.kv_sharding, rep, rep)
             if config.validate:  # checkify's (error, outputs): the error is replicated
                 shardings = (rep, shardings)
             tp_out = dict(out_shardings=shardings)
             self.row_tokens = jax.device_put(self.row_tokens, rep)
         # The jitted step; step_args(step) are its arguments for one StepInput.
         self.jitted_step = jax.jit(step_fn, donate_argnums=(1, 3), **tp_out)
+        tp_rep = {} if self.tp is None else dict(out_shardings=self.tp.replicated)
+        self.jitted_prompt_logprobs = jax.jit(prompt_fn, **tp_rep)
         # The copy-on-write copies of a step (run_copies): bound with validate like the
         # model's ops (a per-shard AttentionOps under tensor parallelism is used as is).
         copy_ops = (
@@ -501,23 +629,72 @@ class Runner:
             step.feed,
         )
 
-    def dispatch(self, step: StepInput, with_logprobs: bool = True) -> PendingStep:
+    @counting_compiles
+    def dispatch(
+        self,
+        step: StepInput,
+        with_logprobs: bool = True,
+        *,
+        prompt_rows: np.ndarray | None = None,
+        prompt_targets: np.ndarray | None = None,
+    ) -> PendingStep:
         """Launches one bucketed step without waiting for it (JAX async dispatch).
 
         The sampled ids also land in ``row_tokens`` (device), where the next step's
         placeholder tokens read them; the host copy starts now and is read by
         ``PendingStep.result()`` (the logprob outputs too unless with_logprobs=False).
         The step's block copies, if it has any, are dispatched first (run_copies).
+
+        Args:
+            step: the packed step.
+            with_logprobs: copy the sampled tokens' logprobs, ranks and top entries too.
+            prompt_rows: i32[N] token rows of the step (indices into step.token_ids)
+                whose next-token distribution is wanted (prompt logprobs), or None. Only
+                for a model with supports_prompt_logprobs; the programs run right after
+                the step, one per chunk of prompt_chunk rows holding any of them.
+            prompt_targets: i32[N] the token each of those rows' logprob and rank are
+                read at (the prompt's next token).
         """
+        out, hidden_chunks = self._launch(step)
+        prompt = None
+        if prompt_rows is not None and len(prompt_rows):
+            assert self.supports_prompt_logprobs, "prompt logprobs asked of a model without them"
+            prompt = self._dispatch_prompt_logprobs(hidden_chunks, prompt_rows, prompt_targets)
+        return PendingStep(out, step.num_seqs, with_logprobs, prompt)
+
+    def _launch(self, step: StepInput) -> tuple[SamplerOutput, tuple[jax.Array, ...]]:
+        """Dispatches the step's copies and the step; the sampler's outputs, hidden chunks."""
         self.run_copies(step.copies)
         result = self.step_program(step)(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
-        out, self.kv_caches, self.row_tokens = result
+        out, self.kv_caches, self.row_tokens, hidden_chunks = result
         if err is not None:
             err.throw()  # debug path (syncs): checkify.JaxRuntimeError naming the bad id
         self.num_decode_only_steps += step.attention.decode_only and step.num_seqs > 0
-        return PendingStep(out, step.num_seqs, with_logprobs)
+        return out, hidden_chunks
 
+    def _dispatch_prompt_logprobs(
+        self,
+        hidden_chunks: tuple[jax.Array, ...],  # f[prompt_chunk, hidden] each
+        rows: np.ndarray,  # i32[N] token rows of the step
+        targets: np.ndarray,  # i32[N]
+    ) -> PendingPromptLogprobs:
+        """One prompt-logprobs program call per chunk that holds any of ``rows``."""
+        programs = self.programs or {}
+        program = programs.get("prompt_logprobs", self.jitted_prompt_logprobs)
+        rows = np.asarray(rows, np.int64)
+        size = self.prompt_chunk
+        chunk_of = rows // size
+        parts = []
+        for c in np.unique(chunk_of).tolist():
+            sel = np.flatnonzero(chunk_of == c)
+            local = rows[sel] - c * size
+            chunk_targets = np.zeros(size, np.int32)
+            chunk_targets[local] = np.asarray(targets)[sel]
+            parts.append((sel, local, program(self.weights, hidden_chunks[c], chunk_targets)))
+        return PendingPromptLogprobs(len(rows), parts)
+
+    @counting_compiles
     def run_copies(self, copies: StepCopies, *, always: bool = False) -> None:
         """Dispatches the copy-on-write copies into the donated caches, without waiting.
 
@@ -539,6 +716,7 @@ class Runner:
         program = None if programs is None else programs.get(program_key(step))
         return self.jitted_step if program is None else program
 
+    @counting_compiles
     def replace_lost_device_state(self) -> bool:
         """After a failed step: zeroed KV caches and row tokens wherever the old are gone.
 
@@ -567,6 +745,7 @@ class Runner:
             self.row_tokens = zeros_like(self.row_tokens)
         return lost
 
+    @counting_compiles
     def set_kv_scales(self, scales: Any) -> None:
         """Replaces the fp8 per-layer scales f32[num_layers, 2] (k, v); never recompiles.
 
@@ -602,6 +781,7 @@ class Runner:
             history_lens=seq_lens,
         )
 
+    @counting_compiles
     def warmup(
         self,
         steps: list[StepInput],
@@ -613,7 +793,8 @@ class Runner:
 
         The programs: one per given step (all-padding inputs change no KV), the
         decode-only variant of each step shape a decode-only step reaches (n tokens for
-        n <= max_num_seqs sequences), and the block copy. Each is loaded from ``cache``
+        n <= max_num_seqs sequences), the block copy, and (supports_prompt_logprobs)
+        the prompt-logprobs program of one hidden-state chunk. Each is loaded from ``cache``
         where it holds a valid entry, else traced, lowered and compiled (and saved
         there); a loaded program that fails its first run is compiled afresh. The swaps
         (preemption_mode="swap") compile through jit. Afterwards dispatch calls these
@@ -636,7 +817,7 @@ class Runner:
             if step.bucket in decode_shapes and not step.attention.decode_only:
                 decode = dataclasses.replace(step.attention, decode_only=True)
                 variants.append(dataclasses.replace(step, attention=decode))
-        total = len(variants) + bool(steps)
+        total = len(variants) + bool(steps) + bool(steps and self.supports_prompt_logprobs)
         self.programs = {"copy": self.jitted_copy}  # until its own program is built
         records = []
 
@@ -663,12 +844,16 @@ class Runner:
             records.append(record)
             return program
 
+        hidden_chunk = []  # one chunk of a step's hidden states: the prompt program's input
+
         for i, step in enumerate(variants):
 
             def run_step(program, step=step):
                 self.programs[program_key(step)] = program
-                result = self.execute(step)
+                out, chunks = self._launch(step)
+                result = PendingStep(out, step.num_seqs).result()
                 assert result.token_ids.shape == (0,), "a padding-only step produced samples"
+                hidden_chunk[:] = chunks[:1]
 
             build(
                 i, program_name(step), self.jitted_step, lambda s=step: self.step_args(s), run_step
@@ -683,6 +868,20 @@ class Runner:
 
             build(
                 len(variants), "copy", self.jitted_copy, lambda: (self.kv_caches, copies), run_copy
+            )
+        if hidden_chunk:  # the model serves prompt logprobs: their one program
+            targets = np.zeros(self.prompt_chunk, np.int32)
+
+            def run_prompt(program):
+                self.programs["prompt_logprobs"] = program
+                jax.block_until_ready(program(self.weights, hidden_chunk[0], targets))
+
+            build(
+                total - 1,
+                f"prompt logprobs rows={self.prompt_chunk}",
+                self.jitted_prompt_logprobs,
+                lambda: (self.weights, hidden_chunk[0], targets),
+                run_prompt,
             )
         t0 = time.perf_counter()
         if self.config.preemption_mode == "swap":
@@ -704,6 +903,7 @@ class Runner:
         }
 
     # ------------------------------------------------------------------ swap
+    @counting_compiles
     def swap_out(self, req_id: str, block_ids: list[int]) -> None:
         """Copies the blocks' K/V of every layer to host memory (before they are reused)."""
         ids = np.zeros(self._swap_width, np.int32)
@@ -711,6 +911,7 @@ class Runner:
         blocks = jax.device_get(self._gather(self.kv_caches, ids))
         self._host_blocks[req_id] = (len(block_ids), blocks)
 
+    @counting_compiles
     def swap_in(self, req_id: str, block_ids: list[int]) -> None:
         """Writes a request's host copy into freshly allocated blocks."""
         num, blocks = self._host_blocks.pop(req_id)

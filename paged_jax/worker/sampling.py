@@ -21,8 +21,10 @@ from paged_jax.worker.step_input import SamplingMetadata
 __all__ = [
     "SamplerOutput",
     "SamplingMetadata",
+    "TokenLogprobs",
     "apply_penalties",
     "sample",
+    "token_logprobs",
     "with_fed_last_token",
 ]
 
@@ -34,6 +36,33 @@ class SamplerOutput(NamedTuple):
     logprobs: jax.Array  # f32[S]; sampled token's log-prob (raw distribution); NaN there
     top_token_ids: jax.Array  # i32[S, MAX_LOGPROBS]; 0 there
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]; NaN there
+    ranks: jax.Array  # i32[S]; sampled token's 1-based rank (see token_logprobs); 0 there
+
+
+class TokenLogprobs(NamedTuple):
+    """Chosen tokens' log-probabilities in their rows' distributions, ranks, and the top ones."""
+
+    logprobs: jax.Array  # f32[N]
+    ranks: jax.Array  # i32[N]; 1-based
+    top_token_ids: jax.Array  # i32[N, min(MAX_LOGPROBS, V)]
+    top_logprobs: jax.Array  # f32[N, min(MAX_LOGPROBS, V)]
+
+
+def token_logprobs(raw_logprobs: jax.Array, token_ids: jax.Array) -> TokenLogprobs:
+    """Each row's log-probability of ``token_ids[n]``, its rank and the row's top entries.
+
+    The rank counts the tokens at least as likely as the chosen one (vLLM's rule), so
+    the most likely token has rank 1 and ties share the larger rank.
+
+    Args:
+        raw_logprobs: f32[N, V] log-softmax of the rows' logits.
+        token_ids: i32[N] one token per row.
+    """
+    chosen = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(raw_logprobs >= chosen[:, None], axis=-1, dtype=jnp.int32)
+    k = min(MAX_LOGPROBS, raw_logprobs.shape[-1])
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
+    return TokenLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
 
 
 def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
@@ -166,8 +195,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         meta: per-row settings (padding rows may hold anything finite).
 
     Returns:
-        SamplerOutput with the sampled ids and their raw log-probabilities, plus the
-        top MAX_LOGPROBS log-probabilities of each row. A row whose raw logits hold a
+        SamplerOutput with the sampled ids, their raw log-probabilities and ranks,
+        plus the top MAX_LOGPROBS log-probabilities of each row. A row whose raw logits hold a
         NaN or an infinity (checked before bans, which add -inf on purpose) gets
         NONFINITE_TOKEN_ID and NaN log-probabilities instead, whatever it would have drawn.
     """
@@ -191,13 +220,12 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         lambda: greedy,
     )
     token_ids = jnp.where(meta.temperature > 0, sampled, greedy)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
-    k = min(MAX_LOGPROBS, logits.shape[-1])
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
+    stats = token_logprobs(raw_logprobs, token_ids)
     bad = nonfinite[:, None]
     return SamplerOutput(
         jnp.where(nonfinite, NONFINITE_TOKEN_ID, token_ids),
-        jnp.where(nonfinite, jnp.nan, token_logprobs),
-        jnp.where(bad, 0, top_ids.astype(jnp.int32)),
-        jnp.where(bad, jnp.nan, top_logprobs),
+        jnp.where(nonfinite, jnp.nan, stats.logprobs),
+        jnp.where(bad, 0, stats.top_token_ids),
+        jnp.where(bad, jnp.nan, stats.top_logprobs),
+        jnp.where(nonfinite, 0, stats.ranks),
     )

@@ -77,10 +77,10 @@ def test_fp8_e4m3_serves_every_family(tiny_hf_checkpoint, hf_logits, family):
         assert len(out.outputs[0].token_ids) == 4
         ref = hf_logits(path, np.asarray([prompt]))[0, -1].astype(np.float64)
         ref = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())  # log_softmax
-        first = out.outputs[0].logprobs[0]  # {token: logprob}: sampled + top 5
+        first = out.outputs[0].logprobs[0]  # {token: Logprob}: sampled + top 5
         assert len(first) >= 5
         for token, logprob in first.items():
-            assert abs(logprob - ref[token]) < LOGPROB_ATOL, (family, token)
+            assert abs(logprob.logprob - ref[token]) < LOGPROB_ATOL, (family, token)
 
 
 def test_scale_change_never_recompiles(tiny_hf_checkpoint):

@@ -154,6 +154,24 @@ def test_seeded_sampling_equals_n1(results):
         assert results[_name("llama", tp)]["seeded"] == ref, f"seeded sampling differs at N={tp}"
 
 
+@pytest.mark.parametrize("family", list(RUNS))
+def test_prompt_logprobs_equal_transformers_under_tp(
+    family, results, checkpoints, prompts, hf_logits
+):
+    logits = hf_logits(checkpoints[family], np.asarray(prompts[:1]))[0].astype(np.float64)
+    ref = logits - logits.max(-1, keepdims=True)
+    ref = ref - np.log(np.exp(ref).sum(-1, keepdims=True))
+    want = [ref[i - 1, t] for i, t in enumerate(prompts[0]) if i > 0]
+    for tp in _runs(family):
+        got = results[_name(family, tp)]["prompt_logprobs"]
+        assert len(got) == len(want), f"{family} N={tp}"
+        np.testing.assert_allclose([lp for lp, _ in got], want, atol=2e-4, err_msg=f"N={tp}")
+        assert all(rank >= 1 for _, rank in got)
+        if tp != 1 and 1 in _runs(family):
+            one = results[_name(family, 1)]["prompt_logprobs"]
+            assert [r for _, r in got] == [r for _, r in one], f"{family} N={tp} ranks"
+
+
 def test_no_compiles_after_warmup_and_blocks_returned(results):
     for name, r in results.items():
         assert r["stats"]["num_compiles_after_warmup"] == 0, name

@@ -1,0 +1,90 @@
+"""PromptLogprobs: one prompt's logprobs, collected as the steps that prefill it are read.
+
+The hidden state at position p predicts prompt token p + 1, so a prompt of L tokens has
+L - 1 entries (RequestOutput.prompt_logprobs puts None first, for token 0). Prefill
+arrives in chunks, possibly more than once (a request preempted by recompute computes
+its prompt again), so entries are kept by position: a position already recorded is
+skipped, and positions arrive in order from the first missing one.
+
+    prompt     t0  t1  t2  t3  t4         (L = 5)
+    position    0   1   2   3   4
+    entry       -> t1  t2  t3  t4         entries[p] = logprobs of t(p+1) at position p
+    chunk 1: positions 0..1   chunk 2: positions 2..4 (4 samples, no prompt entry)
+
+Pure Python; never imports jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from paged_jax.outputs import LogprobEntry, RankEntry, logprob_entry
+
+
+class PromptLogprobs:
+    """The prompt logprobs of one prompt, in position order, without duplicates or gaps.
+
+    Args:
+        prompt_token_ids: the prompt whose tokens are the targets (a parallel-sampling
+            carrier prefills all but the last token, yet its entries cover the prompt).
+        num_top: top entries per position (SamplingParams.prompt_logprobs).
+        cache_salt: the prefix-cache salt of the requests that compute it (the engine
+            gives them a salt of their own, so they never read a block another request
+            cached: every position must run through the model).
+    """
+
+    def __init__(self, prompt_token_ids: Sequence[int], num_top: int, cache_salt: str | None):
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.num_top = num_top
+        self.cache_salt = cache_salt
+        self.logprobs: list[LogprobEntry] = []
+        self.ranks: list[RankEntry] = []
+
+    @property
+    def num_positions(self) -> int:
+        """Positions with an entry when complete: len(prompt) - 1."""
+        return len(self.prompt_token_ids) - 1
+
+    @property
+    def complete(self) -> bool:
+        return len(self.logprobs) == self.num_positions
+
+    def wanted(self, start: int, end: int) -> range:
+        """The positions of [start, end) (one scheduled chunk) that predict a prompt token."""
+        return range(start, min(end, self.num_positions))
+
+    def target(self, position: int) -> int:
+        """The prompt token the entry of ``position`` is about."""
+        return self.prompt_token_ids[position + 1]
+
+    def add(
+        self,
+        positions: Sequence[int],
+        logprobs: Sequence[float],
+        ranks: Sequence[int],
+        top_token_ids: Sequence[Sequence[int]],
+        top_logprobs: Sequence[Sequence[float]],
+    ) -> None:
+        """Records one chunk's positions (ascending); already recorded ones are skipped."""
+        k = self.num_top
+        for i, p in enumerate(positions):
+            if p < len(self.logprobs):
+                continue  # computed again after a preemption: the same values
+            assert p == len(self.logprobs), (
+                f"prompt logprobs of position {p} arrived before position "
+                f"{len(self.logprobs)}'s: a prompt position was skipped (a prefix-cache hit "
+                "on a request that must not read the cache?)"
+            )
+            entry, entry_ranks = logprob_entry(
+                self.target(p),
+                float(logprobs[i]),
+                int(ranks[i]),
+                [int(t) for t in top_token_ids[i][:k]],
+                [float(x) for x in top_logprobs[i][:k]],
+            )
+            self.logprobs.append(entry)
+            self.ranks.append(entry_ranks)
+
+    def output(self) -> tuple[list[LogprobEntry | None], list[RankEntry | None]]:
+        """(entries, ranks) as EngineOutput carries them: None for the first prompt token."""
+        return [None, *self.logprobs], [None, *self.ranks]
