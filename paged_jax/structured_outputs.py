@@ -1,0 +1,635 @@
+"""Structured outputs on the host: the constraint, its grammar compiled once per tokenizer, the
+per-request matcher that writes each step's allowed-token bitmask. Never imports jax.
+
+The grammar library is llguidance (the optional extra ``paged-jax[structured]``), imported
+only when a ``GrammarCompiler`` is built; ``StructuredOutputsParams`` checks its fields
+without it. docs/structured_outputs.md has the API, the backend choice and the numbers.
+
+Bitmask layout: one int32 row of ``W = cdiv(V, 32)`` words per sequence, bit ``t % 32`` of
+word ``t // 32`` set when token ``t`` is allowed (V = the model's vocabulary, which may be
+wider than the tokenizer's: those extra ids, and the last word's spare bits, stay clear).
+An all-ones row (-1 in every word) constrains nothing. A live matcher always allows at
+least EOS: EOS is allowed when the grammar can end, and a terminated matcher allows only
+EOS.
+
+The device side (not built yet; ``apply_bitmask_reference`` is its numpy reference):
+
+- The jitted sampler takes one more fixed-shape input, ``bitmask i32[S, W]`` over the
+  step's sequence bucket S; unconstrained and padding rows are all ones, so the program
+  never changes shape and compiles once per bucket at warm-up.
+- In ``sample``, after the non-finite check on the raw logits (the mask adds -inf on
+  purpose) and before everything else (bans, penalties, greedy, temperature, top-k/p,
+  min-p, and the logprobs, which then describe the masked distribution)::
+
+      col = jnp.arange(V)                                   # i32[V], a constant
+      bits = (bitmask[:, col // 32] >> (col % 32)) & 1      # i32[S, V]
+      logits = jnp.where(bits != 0, logits, -jnp.inf)
+
+- Steps with no constrained row copy nothing: the runner keeps one device-resident
+  all-ones ``i32[S, W]`` per sequence bucket (made at warm-up) and passes it; a step with
+  one fills a host buffer with ``GrammarCompiler.fill_bitmasks`` and transfers it.
+
+Engine wiring (the calls, in order): build one ``GrammarCompiler(tokenizer,
+vocab_size=V, eos_token_ids=...)`` per engine (lazily, on the first constrained request);
+at submission ``compiler.matcher(params)`` (a ValueError names the bad field: reject that
+request only); per step ``compiler.fill_bitmasks(matchers_by_row, bitmask)`` for the rows
+that sample; after the step ``matcher.accept(token)`` per constrained row (False: finish
+that request with an error); forks take ``matcher.copy()``; a request whose matcher was
+dropped (preemption) gets ``compiler.matcher(params)`` then ``replay(output_token_ids)``.
+With async scheduling the mask of step N+1 needs step N's token, so a step with a
+constrained row waits for the previous step's tokens before it is packed.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json as jsonlib
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+
+from paged_jax.constants import cdiv, is_int
+
+__all__ = [
+    "BITS_PER_WORD",
+    "CacheInfo",
+    "CompiledGrammar",
+    "ConstraintKind",
+    "GrammarCompiler",
+    "Matcher",
+    "StructuredOutputsParams",
+    "allocate_bitmask",
+    "apply_bitmask_reference",
+    "bitmask_width",
+]
+
+BITS_PER_WORD = 32
+DEFAULT_CACHE_SIZE = 256
+# Values longer than this (a large schema) are shortened in error messages.
+_MAX_VALUE_CHARS = 200
+_MAX_BACKEND_MESSAGE_CHARS = 400
+
+ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
+_FIELDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
+_EXPECTED_BY_BACKEND = {
+    "json": "a JSON schema the grammar backend (llguidance) accepts",
+    "json_object": "true",
+    "regex": "a regular expression the grammar backend (llguidance, Rust regex syntax: no "
+    "look-around or back-references) accepts",
+    "choice": "strings the grammar backend accepts",
+    "grammar": "a Lark or GBNF grammar the grammar backend (llguidance) accepts",
+}
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS] + "..."
+
+
+def _field_error(owner: str, name: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"{owner}.{name}={_short(value)} must be {expected}")
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Words per bitmask row: ``cdiv(vocab_size, 32)``."""
+    return cdiv(vocab_size, BITS_PER_WORD)
+
+
+def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
+    """An all-ones (nothing constrained) bitmask, i32[num_rows, cdiv(vocab_size, 32)]."""
+    return np.full((num_rows, bitmask_width(vocab_size)), -1, dtype=np.int32)
+
+
+def apply_bitmask_reference(logits: np.ndarray, words: np.ndarray) -> np.ndarray:
+    """Logits with -inf where the bitmask disallows the token (numpy; the sampler's reference).
+
+    Args:
+        logits: f32[S, V].
+        words: i32[S, W]; bit t % 32 of word t // 32 allows token t. Columns past 32 * W
+            (logits wider than the mask) are disallowed.
+
+    Returns:
+        f32[S, V], a new array.
+    """
+    logits = np.asarray(logits)
+    words = np.asarray(words)
+    if words.dtype != np.int32:
+        raise ValueError(f"words.dtype={words.dtype} must be int32")
+    if logits.ndim != 2 or words.ndim != 2 or words.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"words.shape={words.shape} must be (S, W) with S={logits.shape[0]} "
+            f"(logits.shape={logits.shape})"
+        )
+    vocab = logits.shape[1]
+    col = np.arange(vocab)
+    inside = col < words.shape[1] * BITS_PER_WORD
+    col = np.where(inside, col, 0)
+    # Shift as unsigned so bit 31 (the sign bit) reads like the others.
+    bits = (words.view(np.uint32)[:, col // BITS_PER_WORD] >> (col % BITS_PER_WORD)) & 1
+    allowed = (bits != 0) & inside
+    return np.where(allowed, logits, np.float32(-np.inf)).astype(logits.dtype, copy=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One request's output constraint (vLLM's fields), checked at construction.
+
+    Set exactly one of json, json_object, regex, choice, grammar. Whether a schema,
+    regex or grammar is one the backend can compile is checked at submission
+    (``GrammarCompiler.compile``), with the same kind of error.
+
+    Args:
+        json: a JSON schema, as a dict or its JSON text; the output is JSON that
+            validates against it.
+        json_object: True: the output is any JSON object.
+        regex: the output fullmatches this regular expression (Rust regex syntax).
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar, Lark (``start: ...``) or GBNF (``root ::= ...``).
+        disable_any_whitespace: JSON only: no free whitespace between tokens (compact
+            JSON), instead of any amount.
+        whitespace_pattern: JSON only: a regex the free whitespace must match.
+
+    Attributes:
+        key: the canonical constraint (kind, text, JSON options): equal keys compile
+            to the same grammar, so compilers cache by it.
+    """
+
+    json: Mapping[str, Any] | str | None = None
+    regex: str | None = None
+    choice: Sequence[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+    key: tuple[str, str, bool, str | None] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        if isinstance(self.choice, list | tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise _field_error(owner, "json_object", self.json_object, "None or a bool")
+        given = [name for name in _FIELDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            values = {n: getattr(self, n) for n in given}
+            shown = ", ".join(
+                f"{n}={_short(list(v) if isinstance(v, tuple) else v)}" for n, v in values.items()
+            )
+            raise ValueError(
+                f"{owner}: got {shown or 'no constraint'}; exactly one of "
+                f"{', '.join(_FIELDS)} must be set"
+            )
+        kind: ConstraintKind = given[0]  # type: ignore[assignment]
+        text = self._canonical_text(owner, kind)
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise _field_error(
+                owner, "disable_any_whitespace", self.disable_any_whitespace, "a bool"
+            )
+        pattern = self.whitespace_pattern
+        if pattern is not None and (not isinstance(pattern, str) or not pattern):
+            raise _field_error(
+                owner, "whitespace_pattern", pattern, "None or a non-empty str (a regex)"
+            )
+        is_json = kind in ("json", "json_object")
+        key = (
+            kind,
+            text,
+            self.disable_any_whitespace if is_json else False,
+            pattern if is_json else None,
+        )
+        object.__setattr__(self, "key", key)
+
+    def _canonical_text(self, owner: str, kind: ConstraintKind) -> str:
+        """The constraint as one string (compact JSON for schemas and choices); checks types."""
+        if kind == "json":
+            value = self.json
+            if isinstance(value, str):
+                try:
+                    schema = jsonlib.loads(value)
+                except jsonlib.JSONDecodeError as e:
+                    raise _field_error(
+                        owner, "json", value, f"a JSON schema (a dict or valid JSON text): {e}"
+                    ) from None
+            elif isinstance(value, Mapping):
+                schema = value
+            else:
+                raise _field_error(owner, "json", value, "a JSON schema: a dict or its JSON text")
+            if not isinstance(schema, Mapping):
+                raise _field_error(owner, "json", value, "a JSON schema holding an object")
+            try:
+                text = jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise _field_error(
+                    owner, "json", value, f"a JSON schema of JSON-serializable values: {e}"
+                ) from None
+            if not isinstance(value, str):
+                # Keep our own copy: a later edit of the caller's dict must not change
+                # a constraint whose key (and compiled grammar) is already taken.
+                object.__setattr__(self, "json", jsonlib.loads(text))
+            return text
+        if kind == "json_object":
+            return '{"type":"object"}'
+        if kind == "choice":
+            value = self.choice
+            if not isinstance(value, tuple) or not value:
+                shown = list(value) if isinstance(value, tuple) else value
+                raise _field_error(owner, "choice", shown, "a non-empty list of strings")
+            if not all(isinstance(c, str) for c in value):
+                raise _field_error(owner, "choice", list(value), "a list of strings")
+            if not all(value):
+                raise _field_error(owner, "choice", list(value), "a list of non-empty strings")
+            return jsonlib.dumps(list(value), ensure_ascii=False)
+        value = getattr(self, kind)
+        if not isinstance(value, str) or not value:
+            raise _field_error(owner, kind, value, "a non-empty str")
+        return value
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    @property
+    def kind(self) -> ConstraintKind:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return self.key[0]  # type: ignore[return-value]
+
+
+def _load_backend():
+    try:
+        import llguidance
+    except ImportError as e:
+        raise ImportError(
+            "structured outputs need the llguidance package: pip install 'paged-jax[structured]'"
+        ) from e
+    return llguidance
+
+
+class CacheInfo(NamedTuple):
+    """Grammar cache counters of one GrammarCompiler."""
+
+    hits: int
+    misses: int
+    size: int
+    max_size: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """One constraint compiled against one tokenizer; matchers start from ``initial``.
+
+    Attributes:
+        key: the constraint's ``StructuredOutputsParams.key``.
+        grammar: the backend's serialized grammar.
+        initial: the backend matcher in its start state (copied, never advanced).
+        vocab_size: the model's vocabulary size V.
+        eos_token_ids: the ids that end the output.
+        compile_s: seconds the compile took, the first mask included.
+    """
+
+    key: tuple
+    grammar: str
+    initial: Any
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    compile_s: float
+
+    @property
+    def num_words(self) -> int:
+        return bitmask_width(self.vocab_size)
+
+
+class Matcher:
+    """One sequence's position in its grammar: fills its bitmask row, accepts its tokens.
+
+    Built by ``GrammarCompiler.matcher``. A refused token (not allowed by the grammar,
+    or outside [0, V)) changes nothing, so a mask applied by the sampler never leaves a
+    matcher in a state its tokens do not explain.
+    """
+
+    def __init__(self, grammar: CompiledGrammar, backend_matcher: Any, tokens: list[int]):
+        self.grammar = grammar
+        self._ll = backend_matcher
+        self._tokens = tokens
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted since the grammar's start (what rollback and replay count)."""
+        return len(self._tokens)
+
+    @property
+    def accepted_token_ids(self) -> tuple[int, ...]:
+        """The accepted tokens, in order."""
+        return tuple(self._tokens)
+
+    @property
+    def error(self) -> str | None:
+        """The backend's error (a grammar that hit a parser limit), or None."""
+        return self._ll.get_error() or None
+
+    def fill_bitmask(self, words_row: np.ndarray) -> None:
+        """Writes the allowed next tokens into ``words_row``, i32[W] (C-contiguous).
+
+        A terminated matcher allows only the EOS ids.
+        """
+        num_words = self.grammar.num_words
+        if (
+            words_row.dtype != np.int32
+            or words_row.shape != (num_words,)
+            or not words_row.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"words_row (shape={words_row.shape}, dtype={words_row.dtype}) must be a "
+                f"C-contiguous int32 array of shape ({num_words},)"
+            )
+        self._ll.unsafe_compute_mask_ptr(words_row.ctypes.data, words_row.nbytes)
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past ``token_id``; False (and nothing changed) when it is not allowed."""
+        token = int(token_id)
+        if not 0 <= token < self.grammar.vocab_size:
+            return False
+        ll = self._ll
+        # The backend's validate_tokens refuses EOS once the grammar is complete, though
+        # EOS is then the one allowed token: EOS is allowed exactly when it can end.
+        if token in self.grammar.eos_token_ids:
+            if not ll.is_accepting():
+                return False
+        elif ll.validate_tokens([token]) != 1:
+            return False
+        if not ll.consume_token(token):  # validated above; only a backend limit gets here
+            self._ll = self._rebuilt(self._tokens)
+            return False
+        self._tokens.append(token)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undoes the last ``num_tokens`` accepted tokens (speculative or async steps)."""
+        if not is_int(num_tokens) or not 0 <= num_tokens <= len(self._tokens):
+            raise ValueError(
+                f"Matcher.rollback num_tokens={num_tokens!r} must be an int in "
+                f"[0, num_accepted={len(self._tokens)}]"
+            )
+        if num_tokens == 0:
+            return
+        if not self._ll.rollback(num_tokens):
+            self._ll = self._rebuilt(self._tokens[:-num_tokens])
+        del self._tokens[-num_tokens:]
+
+    def is_terminated(self) -> bool:
+        """True when nothing but EOS can follow (the grammar is complete, or EOS came)."""
+        return self._ll.is_stopped()
+
+    def copy(self) -> Matcher:
+        """An independent matcher in the same state (a fork: n > 1, beams)."""
+        return Matcher(self.grammar, self._ll.deep_copy(), list(self._tokens))
+
+    def replay(self, tokens: Sequence[int]) -> bool:
+        """Restarts from the grammar's start and accepts ``tokens`` (rebuild after preemption).
+
+        Returns:
+            True when every token was accepted; otherwise the matcher holds the longest
+            accepted prefix and returns False.
+        """
+        tokens = [int(t) for t in tokens]
+        vocab = self.grammar.vocab_size
+        valid = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab), len(tokens))
+        ll = self.grammar.initial.deep_copy()
+        done = ll.try_consume_tokens(tokens[:valid]) if valid else 0
+        self._ll = ll
+        self._tokens = tokens[:done]
+        return done == len(tokens)
+
+    def _rebuilt(self, tokens: list[int]) -> Any:
+        ll = self.grammar.initial.deep_copy()
+        ok = ll.consume_tokens(tokens) if tokens else True
+        assert ok, "tokens the matcher accepted once must be accepted again (backend bug)"
+        return ll
+
+
+def _as_tokenizer(tokenizer: Any):
+    """A copy of ``tokenizer`` as a ``tokenizers.Tokenizer`` (from itself or a tokenizer.json path)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, str | os.PathLike):
+        try:
+            tok = Tokenizer.from_file(os.fspath(tokenizer))
+        except Exception as e:
+            raise _field_error(
+                "GrammarCompiler", "tokenizer", tokenizer, f"a readable tokenizer.json: {e}"
+            ) from None
+    elif isinstance(tokenizer, Tokenizer):
+        tok = Tokenizer.from_str(tokenizer.to_str())
+    else:
+        raise _field_error(
+            "GrammarCompiler",
+            "tokenizer",
+            tokenizer,
+            "a tokenizers.Tokenizer or the path of a tokenizer.json",
+        )
+    # Padding or truncation settings would change what the backend reads as a token.
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and model vocabulary; hands out matchers.
+
+    Built once per engine (reading the vocabulary takes ~0.4 s for 32k tokens). Each
+    distinct constraint (``StructuredOutputsParams.key``) compiles once; the cache keeps
+    the ``cache_size`` most recently used.
+
+    Args:
+        tokenizer: the checkpoint's ``tokenizers.Tokenizer``, or its tokenizer.json path.
+        eos_token_ids: the ids that end a request (the model's EOS); the grammar allows
+            them when it can end.
+        vocab_size: the model's vocabulary V (logits width), >= the tokenizer's ids;
+            default the tokenizer's.
+        cache_size: most compiled grammars kept.
+        num_threads: threads for ``fill_bitmasks`` (None: the backend's default).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        eos_token_ids: Sequence[int],
+        vocab_size: int | None = None,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        num_threads: int | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        tok = _as_tokenizer(tokenizer)
+        ids = tok.get_vocab(with_added_tokens=True).values()
+        self.tokenizer_vocab_size = max(ids) + 1 if ids else 0
+        if vocab_size is None:
+            vocab_size = self.tokenizer_vocab_size
+        if not is_int(vocab_size) or vocab_size < self.tokenizer_vocab_size:
+            raise _field_error(
+                owner,
+                "vocab_size",
+                vocab_size,
+                f"an int >= {self.tokenizer_vocab_size} (the tokenizer's ids)",
+            )
+        eos = tuple(eos_token_ids) if isinstance(eos_token_ids, Sequence) else eos_token_ids
+        if (
+            not isinstance(eos, tuple)
+            or not eos
+            or not all(is_int(t) and 0 <= t < vocab_size for t in eos)
+        ):
+            raise _field_error(
+                owner,
+                "eos_token_ids",
+                eos,
+                f"a non-empty list of ids in [0, vocab_size={vocab_size}) "
+                "(a constrained output ends with EOS)",
+            )
+        if not is_int(cache_size) or cache_size < 1:
+            raise _field_error(owner, "cache_size", cache_size, "an int >= 1")
+        if num_threads is not None and (not is_int(num_threads) or num_threads < 1):
+            raise _field_error(owner, "num_threads", num_threads, "None or an int >= 1")
+        llg = _load_backend()
+        try:
+            self._ll_tokenizer = llg.LLTokenizer(
+                tok.to_str(), n_vocab=vocab_size, eos_token=list(eos)
+            )
+        except Exception as e:
+            raise _field_error(
+                owner, "tokenizer", tokenizer, f"a tokenizer the grammar backend reads: {e}"
+            ) from None
+        self._llg = llg
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+        self.num_words = bitmask_width(vocab_size)
+        self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
+        self._cache_size = cache_size
+        self._hits = 0
+        self._misses = 0
+        self._num_threads = num_threads
+        self._executor = None
+
+    def cache_info(self) -> CacheInfo:
+        """Hits, misses and size of the grammar cache."""
+        return CacheInfo(self._hits, self._misses, len(self._cache), self._cache_size)
+
+    def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """The constraint's compiled grammar, from the cache when its key was seen.
+
+        Raises:
+            ValueError: the backend cannot compile it; the message names the field
+                (``StructuredOutputsParams.regex='a(b' must be a regular expression ...``).
+        """
+        if not isinstance(params, StructuredOutputsParams):
+            raise ValueError(f"params={_short(params)} must be a StructuredOutputsParams")
+        key = params.key
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._hits += 1
+            self._cache.move_to_end(key)
+            return cached
+        self._misses += 1
+        compiled = self._compile_uncached(params)
+        self._cache[key] = compiled
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: StructuredOutputsParams) -> Matcher:
+        """A new matcher at the start of the constraint's grammar (compiled or cached)."""
+        compiled = self.compile(params)
+        return Matcher(compiled, compiled.initial.deep_copy(), [])
+
+    def fill_bitmasks(self, matchers: Sequence[Matcher | None], words: np.ndarray) -> None:
+        """Fills row i of ``words`` from ``matchers[i]``; rows without one get all ones.
+
+        Args:
+            matchers: one entry per row of the step (None: unconstrained), at most S.
+            words: i32[S, W] C-contiguous; overwritten.
+        """
+        if (
+            words.dtype != np.int32
+            or words.ndim != 2
+            or words.shape[1] != self.num_words
+            or not words.flags.c_contiguous
+        ):
+            raise ValueError(
+                f"words (shape={words.shape}, dtype={words.dtype}) must be a C-contiguous "
+                f"int32 array of shape (S, {self.num_words})"
+            )
+        if len(matchers) > words.shape[0]:
+            raise ValueError(
+                f"matchers has {len(matchers)} entries: must be at most the {words.shape[0]} "
+                "rows of words"
+            )
+        pairs = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
+        if len(pairs) < words.shape[0]:
+            free = np.ones(words.shape[0], bool)
+            free[[i for _, i in pairs]] = False
+            words[free] = -1
+        if not pairs:
+            return
+        row_bytes = self.num_words * 4
+        if len(pairs) == 1:
+            ll, i = pairs[0]
+            ll.unsafe_compute_mask_ptr(words.ctypes.data + i * row_bytes, row_bytes)
+            return
+        if self._executor is None:
+            self._executor = self._llg.LLExecutor(self._num_threads)
+        self._executor.unsafe_compute_mask_ptr(pairs, words.ctypes.data, row_bytes, words.shape[0])
+
+    def _backend_grammar(self, params: StructuredOutputsParams) -> str:
+        llg = self._llg
+        kind, text = params.key[0], params.key[1]
+        if kind in ("json", "json_object"):
+            options: dict[str, Any] = {}
+            if params.disable_any_whitespace:
+                options["whitespace_flexible"] = False
+            if params.whitespace_pattern is not None:
+                options["whitespace_pattern"] = params.whitespace_pattern
+            return llg.LLMatcher.grammar_from_json_schema(text, overrides=options or None)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        if kind == "choice":
+            return llg.grammar_from("choice", text)
+        return llg.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
+
+    def _compile_uncached(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        kind = params.kind
+        field = "json" if kind == "json_object" else kind
+        value = getattr(params, kind)
+        start = time.perf_counter()
+        try:
+            grammar = self._backend_grammar(params)
+            initial = self._llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+            message = initial.get_error()
+            if not message:
+                # The first mask builds the lexer's start states: counted as compile time,
+                # and a grammar over the backend's limits fails here, at submission.
+                scratch = np.empty(self.num_words, np.int32)
+                initial.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+                message = initial.get_error()
+        except ValueError as e:
+            message = str(e)
+        if message:
+            message = message.strip()
+            if len(message) > _MAX_BACKEND_MESSAGE_CHARS:
+                message = message[:_MAX_BACKEND_MESSAGE_CHARS] + "..."
+            raise _field_error(
+                "StructuredOutputsParams",
+                kind if kind != "json_object" else field,
+                value,
+                f"{_EXPECTED_BY_BACKEND[kind]}: {message}",
+            )
+        return CompiledGrammar(
+            key=params.key,
+            grammar=grammar,
+            initial=initial,
+            vocab_size=self.vocab_size,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            compile_s=time.perf_counter() - start,
+        )
