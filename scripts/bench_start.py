@@ -41,7 +41,16 @@ PHASES = (
     "load_and_warmup_s",
     "wall_s",
 )
-COUNTS = ("start", "programs", "programs_compiled", "programs_loaded", "compiles_after_warmup")
+COUNTS = (
+    "start",
+    "programs",
+    "programs_compiled",
+    "programs_loaded",
+    "warmup_compiles",
+    "compiles_after_warmup",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+)
 TARGETS = {"cold": 4.0, "warm": 1.0}  # (load + warm-up) / generation, at most
 TABLE_BEGIN = "<!-- start-time table: scripts/bench_start.py --readme -->"
 TABLE_END = "<!-- end of start-time table -->"
@@ -129,11 +138,18 @@ def markdown_table(report: dict) -> str:
             f"(target <= {target['at_most']:g}x: {met}) |"
         )
     m = report["machine"]
+    first = report["rounds"][0]["cold"]
+    engine = ""
+    if "max_num_seqs" in first:
+        engine = (
+            f", engine max_num_seqs={first['max_num_seqs']} and max_num_batched_tokens="
+            f"{first['max_num_batched_tokens']}"
+        )
     rows.append("")
     rows.append(
-        f"Medians (min-max) of {len(report['rounds'])} rounds, `{report['command']}`, on a "
-        f"{m['cpus']}-core machine (load average {m['load_average_at_start']} at the start, "
-        f"{m['load_average_at_end']} at the end; JSON in `docs/start_time.json`)."
+        f"Medians (min-max) of {len(report['rounds'])} rounds, `{report['command']}`{engine}, "
+        f"on a {m['cpus']}-core machine (load average {m['load_average_at_start']} at the "
+        f"start, {m['load_average_at_end']} at the end; JSON in `{report['out']}`)."
     )
     return "\n".join(rows)
 
@@ -170,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {i + 1}: {json.dumps(rounds[-1])}", file=sys.stderr)
     report = {
         "command": "python scripts/bench_start.py " + " ".join(argv or sys.argv[1:]),
+        "out": args.out,
         "cli_args": args.cli_args,
         "machine": {
             "platform": platform.platform(),

@@ -28,7 +28,10 @@ def _run(start: str, load: float, warmup: float, gen: float, programs: int) -> d
         "programs": programs,
         "programs_compiled": compiled,
         "programs_loaded": programs - compiled,
+        "warmup_compiles": compiled,
         "compiles_after_warmup": 0,
+        "max_num_seqs": 64,
+        "max_num_batched_tokens": 512,
         "load_s": load,
         "warmup_s": warmup,
         "warmup_trace_s": 0.1 * compiled,
@@ -64,6 +67,7 @@ def test_readme_table_is_rewritten_between_its_markers(tmp_path):
     rounds = [{"cold": _run("cold", 1, 9, 3, 7), "warm": _run("warm", 1, 1, 3, 7)}]
     report = {
         "command": "python scripts/bench_start.py --rounds 1",
+        "out": "docs/start_time.json",
         "machine": {"cpus": 2, "load_average_at_start": 0.5, "load_average_at_end": 1.5},
         "summary": bench.summarize(rounds),
         "rounds": rounds,
@@ -71,6 +75,8 @@ def test_readme_table_is_rewritten_between_its_markers(tmp_path):
     table = bench.markdown_table(report)
     assert "| cold | 7 compiled |" in table and "| warm | 7 loaded |" in table
     assert "**3.33x** (target <= 4x: met)" in table and "`python scripts/bench_start.py" in table
+    assert "max_num_seqs=64 and max_num_batched_tokens=512" in table
+    assert "JSON in `docs/start_time.json`" in table
     readme = tmp_path / "README.md"
     readme.write_text(f"before\n{bench.TABLE_BEGIN}\nold table\n{bench.TABLE_END}\nafter\n")
     bench.update_readme(readme, table)

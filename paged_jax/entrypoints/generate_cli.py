@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import pathlib
+import signal
 import sys
+import threading
 import time
+import traceback
 from typing import Any
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
+from paged_jax.entrypoints.data_parallel import (
+    add_data_parallel_flags,
+    check_data_parallel_args,
+)
 from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
+from paged_jax.entrypoints.job import SIZED_FIELDS, JobRequest, JobSize, make_requests, size_engine
 from paged_jax.entrypoints.output_file import (
     JsonlStream,
     check_distinct_paths,
@@ -28,25 +37,34 @@ from paged_jax.entrypoints.prompts_file import (
     MAX_PROMPTS_FILE_LINES,
     PromptLine,
     check_readable,
-    params_for,
     read_prompt_lines,
 )
+from paged_jax.entrypoints.records import rejected_error, request_record
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 
 PROG = "paged-jax-generate"
 EPILOG = f"""\
 prompts file: JSONL when its first non-blank line is a JSON object, else one prompt per
 line. A JSONL line holds exactly one of "prompt" (text), "prompt_token_ids" (list of
-ints) or "messages" (a chat, rendered with the checkpoint's chat template), an optional
-"id" echoed in the output, and optional SamplingParams overrides such as "max_tokens",
-"temperature", "top_p", "top_k", "seed", "stop", "n". "-" reads standard input.
+ints) or "messages" (a chat, rendered with --chat-template or the checkpoint's chat
+template), an optional "id" echoed in the output, and optional SamplingParams overrides
+such as "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n". "-" reads
+standard input. Every line is rendered and tokenized before the model loads.
 
 output: one JSON line per request, written as each request finishes (so in finish
 order; "index" is the position in the prompts file). A request that cannot be served
-(bad line, empty or too long prompt, bad token id, no tokenizer) gets a record with
-"error" and the others complete. The file is written as OUTPUT.partial and renamed
-when the run completes; a leftover OUTPUT.partial is moved to OUTPUT.partial.N first.
-A symlinked --output or --summary-json is refused.
+(bad line, empty or too long prompt, bad token id, no tokenizer, no chat template)
+gets a record with "error" and the others complete; when no line can be served the
+model is not loaded. If the engine fails mid-run, the finished records stay and every
+unfinished request gets an error record naming the failure (exit status 1). The file
+is written as OUTPUT.partial and renamed when every request has its record; a leftover
+OUTPUT.partial is moved to OUTPUT.partial.N first. Ctrl-C leaves the records so far in
+OUTPUT.partial (exit status 130). A symlinked --output or --summary-json is refused.
+
+engine size: without --max-num-seqs / --max-num-batched-tokens the engine is sized to
+the job (its sequences, n included, and its prompt tokens, rounded up to a power of two
+and a token bucket, at most the defaults), so a small job warms up few, small step
+programs; one line says what was chosen. A flag given is kept as given.
 
 limits: a prompts-file line past {6 * PROMPT_BYTES_PER_TOKEN} bytes per token of max_model_len \
 + {LINE_SLACK_BYTES >> 20} MiB is an
@@ -58,18 +76,19 @@ defaults: the CLI samples greedily (--temperature 0) and generates up to 32 toke
 the Python API's SamplingParams() defaults to temperature 1.0 and max_tokens 16, as
 vLLM's does.
 
-compile cache: on, under $PAGED_JAX_CACHE/jax_compile_cache (default
-~/.cache/paged_jax/jax_compile_cache): JAX's persistent compilation cache, and in its
-executables/ folder the compiled step programs, which a second run with the same model,
-engine settings and package version loads instead of compiling (a "warm" start; the
-summary gives each phase of the start). --no-compile-cache or PAGED_JAX_COMPILE_CACHE=0
-turns both off.
+compile cache: on, in --compile-cache-dir, else $PAGED_JAX_COMPILE_CACHE, else
+$PAGED_JAX_CACHE/jax_compile_cache (~/.cache/paged_jax/jax_compile_cache when neither is
+set): JAX's persistent compilation cache, and in its executables/ folder the compiled
+step programs, which a second run with the same model, engine settings and package
+version loads instead of compiling (a "warm" start; the summary gives each phase of the
+start). --no-compile-cache or PAGED_JAX_COMPILE_CACHE=0 turns both off.
 
 exit status: 0 all requests succeeded, 1 some requests failed (see their records),
 2 nothing was run (bad flag, unreadable or endless prompts, unwritable output, unusable
-model, config.json, tokenizer.json or max_model_len).
-{PROG} never prints a traceback for these.
+model, config.json, tokenizer.json, chat template or max_model_len), 130 interrupted
+(Ctrl-C). {PROG} never prints a traceback for these.
 """
+_DEFAULT_ENGINE = EngineConfig()
 
 
 # SamplingParams fields on the command line, in --help order. The CLI's own defaults:
@@ -89,6 +108,7 @@ SAMPLING_FLAGS = {
     "stop_token_ids": Flag("besides EOS", default=None, extra={"nargs": "+", "metavar": "ID"}),
     "ignore_eos": Flag("generate past EOS"),
     "logprobs": Flag(f"top logprobs per token (0-{MAX_LOGPROBS})"),
+    "prompt_logprobs": Flag(f"top logprobs per prompt token (0-{MAX_LOGPROBS})"),
     "presence_penalty": Flag("[-2, 2]"),
     "frequency_penalty": Flag("[-2, 2]"),
     "repetition_penalty": Flag("> 0; 1 = off"),
@@ -100,11 +120,24 @@ SAMPLING_ABSENT: dict[str, str] = {}
 # EngineConfig fields on the command line, in --help order.
 ENGINE_FLAGS = {
     "block_size": Flag("tokens per KV block"),
-    "num_kv_blocks": Flag("None = sized from memory"),
-    "kv_cache_memory": Flag("KV budget: bytes (> 1) or a fraction of free device memory (<= 1)"),
-    "max_num_seqs": Flag("per step"),
-    "max_num_batched_tokens": Flag("token budget per step"),
-    "max_model_len": Flag("None = model's"),
+    "num_kv_blocks": Flag(
+        "KV blocks in the pool, the null block included (default: sized from --kv-cache-memory)"
+    ),
+    "kv_cache_memory": Flag(
+        "KV budget: bytes (> 1) or a fraction of free device memory (<= 1) (default: 0.9 "
+        "on accelerators; on CPU room for --max-num-seqs full-length sequences, at most 1 GiB)"
+    ),
+    "max_num_seqs": Flag(
+        "most sequences per step (default: sized to the job, at most "
+        f"{_DEFAULT_ENGINE.max_num_seqs})",
+        default=None,
+    ),
+    "max_num_batched_tokens": Flag(
+        "token budget per step (default: sized to the job, at most "
+        f"{_DEFAULT_ENGINE.max_num_batched_tokens})",
+        default=None,
+    ),
+    "max_model_len": Flag("longest prompt + output (default: the model's max_position_embeddings)"),
     "tensor_parallel_size": Flag(
         "split weights and KV caches over the first N devices (docs/scale_out.md)"
     ),
@@ -114,7 +147,10 @@ ENGINE_FLAGS = {
         "a Hopper GPU and jax >= 0.12 (mosaic_gpu_interpret: its CPU interpreter)"
     ),
     "dtype": Flag("auto = bf16 on GPU, else f32"),
-    "kv_cache_dtype": Flag("auto (= --dtype) or fp8: 2x the bf16 KV blocks in the same memory"),
+    "kv_cache_dtype": Flag(
+        "auto (= --dtype) or fp8: an fp8 pool holds 2x the KV blocks of a bf16 one (the GPU "
+        "default) in the same memory, 4x those of f32 (the CPU default)"
+    ),
     "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),
     "async_scheduling": Flag("read each step's tokens before scheduling the next (for debugging)"),
     "scan_layers": Flag(
@@ -128,6 +164,11 @@ ENGINE_ABSENT = {
     "scheduling_policy": "the prompts file carries no request priority",
     "hash_algo": "the prefix-cache hash changes no output",
     "validate": "a debugging switch of the tests (device-side range checks)",
+    "distributed_coordinator_address": "multi-host: $JAX_COORDINATOR_ADDRESS (Python API)",
+    "distributed_num_processes": "multi-host: $JAX_NUM_PROCESSES (Python API)",
+    "distributed_process_id": "multi-host: $JAX_PROCESS_ID (Python API)",
+    "distributed_heartbeat_timeout_s": "a multi-host knob of the Python API",
+    "lockstep_check_interval": "a multi-host knob of the Python API",
 }
 
 
@@ -138,12 +179,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=_HelpFormatter,
     )
-    p.add_argument("--model", help="Hugging Face model directory (default: the demo model)")
     p.add_argument(
-        "--cache-dir", help="where the demo model is written (None = ~/.cache/paged_jax)"
+        "--model", help="Hugging Face model directory (default: the built-in demo model)"
     )
     p.add_argument(
-        "--prompts", help="JSONL or text prompts file, '-' for stdin (None = built-in set)"
+        "--cache-dir",
+        help="where the demo model is written (default: $PAGED_JAX_CACHE, else ~/.cache/paged_jax)",
+    )
+    p.add_argument(
+        "--prompts", help="JSONL or text prompts file, '-' for stdin (default: the built-in set)"
+    )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for the 'messages' lines, instead of the checkpoint's "
+        "(default: its chat_template.jinja or tokenizer_config.json's chat_template)",
     )
     p.add_argument("--num-prompts", type=int, default=200, help="size of the built-in set")
     p.add_argument("--output", help="write one JSON line per request here")
@@ -155,19 +205,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--compile-cache-dir",
         default=None,
-        help="JAX compilation cache directory (None = ~/.cache/paged_jax/jax_compile_cache)",
+        help="the compile cache's directory (default: $PAGED_JAX_COMPILE_CACHE, else "
+        "$PAGED_JAX_CACHE/jax_compile_cache, else ~/.cache/paged_jax/jax_compile_cache)",
     )
     e.add_argument(
         "--no-compile-cache", action="store_true", help="compile every step program afresh"
     )
+    add_data_parallel_flags(p)
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar or load progress")
     return p
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Shows every default and keeps the epilog's line breaks."""
+    """Shows every default once and keeps the epilog's line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "(default: " in action.help:  # said in words already
+            return action.help
         # A switch (a flag without a value) is off unless given, whichever field value
         # it sets: --no-prefix-caching and --ignore-eos both show False.
         if action.option_strings and action.nargs == 0 and action.default is not argparse.SUPPRESS:
@@ -176,8 +230,15 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The EngineConfig keyword arguments of the engine flags (the LLM's keywords too)."""
+    """The EngineConfig keyword arguments of the engine flags (the LLM's keywords too).
+
+    The step sizes the command line did not give (SIZED_FIELDS) are left out: the CLI
+    sizes them to the job (job.size_engine).
+    """
     engine_args = field_values(args, EngineConfig, ENGINE_FLAGS)
+    for name in SIZED_FIELDS:
+        if engine_args[name] is None:
+            del engine_args[name]
     memory = engine_args["kv_cache_memory"]
     if memory is not None and memory > 1:
         engine_args["kv_cache_memory"] = int(memory)  # bytes; <= 1 is a fraction
@@ -189,6 +250,38 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(**field_values(args, SamplingParams, SAMPLING_FLAGS))
 
 
+class _Interrupt:
+    """Ctrl-C during one run: raises KeyboardInterrupt, as Python's own handler does, and
+    remembers it, so an interrupt that lands where Python swallows exceptions (jax's gc
+    callback, a __del__) still ends the run at the next check()."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _Interrupt:
+        # Only Python's default handler is replaced (signals reach the main thread only).
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        """Raises KeyboardInterrupt when Ctrl-C was pressed, even if that one was lost."""
+        if self.seen:
+            raise KeyboardInterrupt
+
+
 @dataclasses.dataclass
 class _Plan:
     """Everything checked before the model is loaded."""
@@ -196,11 +289,15 @@ class _Plan:
     engine_args: dict
     params: SamplingParams
     lines: list[PromptLine]
+    requests: list[JobRequest]  # the servable lines, rendered and tokenized
+    job_size: JobSize | None  # None: no request to size the engine for
     model_dir: pathlib.Path
     output: JsonlStream | None
     summary_path: pathlib.Path | None
     compile_cache: bool | str
+    chat_template: str | None  # the --chat-template file's text
     cache_use: dict[str, int] = dataclasses.field(default_factory=dict)  # warm-up hits/misses
+    interrupt: _Interrupt | None = None
 
 
 def _prepare(args: argparse.Namespace) -> _Plan:
@@ -217,15 +314,31 @@ def _prepare(args: argparse.Namespace) -> _Plan:
     if args.output:
         check_writable(args.output, "--output")
     check_distinct_paths(
-        {"--prompts": args.prompts, "--output": args.output, "--summary-json": args.summary_json}
+        {
+            "--prompts": args.prompts,
+            "--chat-template": args.chat_template,
+            "--output": args.output,
+            "--summary-json": args.summary_json,
+        }
     )
+    check_data_parallel_args(args)
     engine_args = engine_args_from_args(args)
-    EngineConfig(**engine_args)
+    # Checked (and the model checked) at the default sizes for what the job will size.
+    default = _DEFAULT_ENGINE
+    provisional, _ = size_engine(
+        engine_args,
+        num_sequences=default.max_num_seqs,
+        num_prompt_tokens=default.max_num_batched_tokens,
+    )
+    EngineConfig(**provisional)
     params = sampling_params_from_args(args)
     if args.prompts is not None:
         check_readable(args.prompts)
     elif args.num_prompts < 1:
         raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
+    from paged_jax.entrypoints.preflight import check_model, read_chat_template
+
+    chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
     if args.model is None:
         from paged_jax.entrypoints.demo import ensure_demo_model
 
@@ -240,9 +353,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
             raise ValueError(
                 f"--model={args.model!r} must be a Hugging Face model directory with config.json"
             )
-    from paged_jax.entrypoints.preflight import check_model
-
-    facts = check_model(model_dir, engine_args)
+    facts = check_model(model_dir, provisional, chat_template=chat_template)
     if args.prompts:
         # Read after the model check: the line limit derives from max_model_len.
         _, lines = read_prompt_lines(args.prompts, facts.max_model_len)
@@ -253,6 +364,22 @@ def _prepare(args: argparse.Namespace) -> _Plan:
 
         texts = builtin_prompts(args.num_prompts)
         lines = [PromptLine(i, i + 1, kind="prompt", value=t) for i, t in enumerate(texts)]
+    requests = make_requests(
+        lines,
+        params,
+        tokenizer=facts.tokenizer,
+        chat_template=facts.chat_template,
+        max_model_len=facts.max_model_len,
+    )
+    job_size = None
+    if requests:
+        engine_args, job_size = size_engine(
+            engine_args,
+            num_sequences=sum(r.params.n for r in requests),
+            num_prompt_tokens=sum(len(r.prompt["prompt_token_ids"]) for r in requests),
+            num_requests=len(requests),
+        )
+        EngineConfig(**engine_args)
     from pallas_kernels.backend import check_backend
 
     check_backend(args.attention_backend)
@@ -267,7 +394,18 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         compile_cache = False
     elif args.compile_cache_dir:
         compile_cache = args.compile_cache_dir
-    return _Plan(engine_args, params, lines, model_dir, output, summary_path, compile_cache)
+    return _Plan(
+        engine_args,
+        params,
+        lines,
+        requests,
+        job_size,
+        model_dir,
+        output,
+        summary_path,
+        compile_cache,
+        None if chat_template is None else chat_template.source,
+    )
 
 
 def _say(args: argparse.Namespace, message: str, end: str = "\n") -> None:
@@ -279,16 +417,25 @@ def _load(args: argparse.Namespace, plan: _Plan):
     """Builds the LLM with a progress line for loading and for each warm-up program."""
     from paged_jax.llm import LLM
 
+    note = None if plan.job_size is None else plan.job_size.note()
+    if note is not None:
+        _say(args, note)
     t0 = time.perf_counter()
     _say(args, f"loading {plan.model_dir} ...")
     llm = LLM(
-        str(plan.model_dir), warmup=False, compile_cache=plan.compile_cache, **plan.engine_args
+        str(plan.model_dir),
+        warmup=False,
+        compile_cache=plan.compile_cache,
+        chat_template=plan.chat_template,
+        **plan.engine_args,
     )
     load_s = time.perf_counter() - t0
+    _check_interrupt(plan)
     cache = llm.compile_cache_dir or "off"
     _say(args, f"loaded in {load_s:.1f} s; warm-up (compile cache: {cache})")
 
     def progress(i: int, total: int, name: str, action: str) -> None:
+        _check_interrupt(plan)
         if not args.no_tqdm:
             line = f"\r  warm-up {i + 1}/{total}: {action} {name}"
             print(line.ljust(64), file=sys.stderr, end="", flush=True)
@@ -298,6 +445,7 @@ def _load(args: argparse.Namespace, plan: _Plan):
     t0, before = time.perf_counter(), cache_counts()
     llm.engine.warmup(progress)
     warmup_s = time.perf_counter() - t0
+    _check_interrupt(plan)
     # The compile cache's hits and misses: its step programs loaded and compiled, and
     # JAX's persistent-cache events for whatever else warm-up compiled.
     report = llm.engine.warmup_report
@@ -310,6 +458,11 @@ def _load(args: argparse.Namespace, plan: _Plan):
         print(file=sys.stderr)
     _say(args, f"warm-up done in {warmup_s:.1f} s ({_warmup_line(report)})")
     return llm, load_s, warmup_s
+
+
+def _check_interrupt(plan: _Plan) -> None:
+    if plan.interrupt is not None:
+        plan.interrupt.check()
 
 
 def _warmup_line(report) -> str:
@@ -326,66 +479,44 @@ def _warmup_line(report) -> str:
     return f"{report.start} start: " + ", ".join(parts)
 
 
-def _build_requests(llm, plan: _Plan) -> tuple[list[Any], list[SamplingParams], list[PromptLine]]:
-    """Prompts and params of the servable lines; bad lines get their .error set."""
-    prompts, params, lines = [], [], []
-    for line in plan.lines:
-        if line.error:
-            continue
-        try:
-            p = params_for(plan.params, line)
-            if line.kind == "messages":
-                prompt: Any = llm.render_chat(line.value)[0]
-            elif line.kind == "prompt_token_ids":
-                prompt = {"prompt_token_ids": line.value}
-            else:
-                prompt = line.value
-        except ValueError as err:
-            msg = str(err)
-            line.error = msg if msg.startswith("line ") else f"line {line.line}: {msg}"
-            continue
-        prompts.append(prompt)
-        params.append(p)
-        lines.append(line)
-    return prompts, params, lines
-
-
-def _record(line: PromptLine, out=None, error: str | None = None) -> dict[str, Any]:
-    record: dict[str, Any] = {"index": line.index, "id": line.id, "line": line.line}
-    if error is not None:
-        record["error"] = error
-        return record
-    record.update(
-        request_id=out.request_id,
-        prompt=out.prompt,
-        prompt_token_ids=out.prompt_token_ids,
-        outputs=[
-            {
-                "index": c.index,
-                "text": c.text,
-                "token_ids": c.token_ids,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-                **({"logprobs": c.logprobs} if c.logprobs is not None else {}),
-            }
-            for c in out.outputs
-        ],
-        time_to_first_token=out.metrics.time_to_first_token,
-        num_cached_tokens=out.metrics.num_cached_tokens,
-        error=None,
-    )
-    return record
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs the CLI on `argv` (default: the command line); returns the exit status.
+
+    Run as the program itself (argv None: the installed command, ``python -m``,
+    scripts/generate.py), Ctrl-C ends the process at once with status 130, once the
+    records so far are flushed to OUTPUT.partial: a step program being compiled when the
+    interrupt lands goes on compiling on XLA's threads, and an interpreter shutting down
+    under it crashed (SIGSEGV) instead of exiting. Called with an argv list (from
+    Python), main returns 130 instead.
+    """
     try:
-        plan = _prepare(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        code = _main(argv)
+    except KeyboardInterrupt:  # a second Ctrl-C while the first was handled
+        code = 130
+    if code == 130 and argv is None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    with _Interrupt() as interrupt:
+        try:
+            plan = _prepare(args)
+            interrupt.check()
+        except (ValueError, FileNotFoundError) as err:
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 130
+        plan.interrupt = interrupt
+        return _serve(args, plan)
+
+
+def _serve(args: argparse.Namespace, plan: _Plan) -> int:
+    """_run, and on an exception: the records so far kept in OUTPUT.partial."""
     try:
         return _run(args, plan)
     except BaseException as err:
@@ -411,62 +542,127 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+class _Records:
+    """Writes each record as it is made and keeps what the summary needs."""
+
+    def __init__(self, plan: _Plan):
+        self.plan = plan
+        self.failed: list[dict[str, Any]] = []
+        self.results: list[Any] = []
+        self.bar: Any = None
+
+    def emit(self, record: dict[str, Any]) -> None:
+        if record.get("error") is not None:
+            self.failed.append({k: record[k] for k in ("index", "id", "line", "error")})
+        if self.plan.output is not None:
+            self.plan.output.write(record)
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def bad_lines(self) -> None:
+        for line in self.plan.lines:
+            if line.error:
+                self.emit(request_record(line, error=line.error))
+
+
 def _run(args: argparse.Namespace, plan: _Plan) -> int:
+    records = _Records(plan)
+    if not plan.requests:  # decided before loading: nothing to warm up for
+        records.bad_lines()
+        print(
+            f"{PROG}: error: no request can be served ({len(plan.lines)} error records); "
+            "the model was not loaded",
+            file=sys.stderr,
+        )
+        return _finish(args, plan, records, {"requests": len(plan.lines), "succeeded": 0})
+    if args.data_parallel_size > 1:  # replicas on Ray Data (docs/scale_out.md)
+        from paged_jax.entrypoints.data_parallel import run_data_parallel
+
+        return _finish(args, plan, records, run_data_parallel(args, plan, records))
     llm, load_s, warmup_s = _load(args, plan)
-    prompts, params, lines = _build_requests(llm, plan)
-    bar = None
     if not args.no_tqdm:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(plan.lines), desc="requests", unit="req", dynamic_ncols=True)
-    failed: list[dict[str, Any]] = []
-    results = []
-
-    def emit(record: dict[str, Any]) -> None:
-        if record.get("error") is not None:
-            failed.append({k: record[k] for k in ("index", "id", "line", "error")})
-        if plan.output is not None:
-            plan.output.write(record)
-        if bar is not None:
-            bar.update(1)
-
+        records.bar = tqdm(total=len(plan.lines), desc="requests", unit="req", dynamic_ncols=True)
+    records.bad_lines()
     start = time.perf_counter()
-    num_generated = 0
-    for line in plan.lines:
-        if line.error:
-            emit(_record(line, error=line.error))
-    for i, out in llm.generate_iter(prompts, params):
-        line = lines[i]
-        if out.error is not None:
-            error = out.error
-            if error.startswith(f"prompts[{i}]: "):
-                error = error[len(f"prompts[{i}]: ") :]
-            emit(_record(line, error=f"line {line.line}: {error}"))
-            continue
-        results.append(out)
-        num_generated += out.metrics.num_generated_tokens
-        if bar is not None:
-            rate = num_generated / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
-        emit(_record(line, out))
+    engine_error, unfinished = _generate(llm, plan, records, start)
+    if engine_error is not None:
+        what = f"{type(engine_error).__name__}: {engine_error}"
+        frame = traceback.extract_tb(engine_error.__traceback__)[-1]
+        print(
+            f"{PROG}: error: the engine failed ({what.splitlines()[0]}) at "
+            f"{pathlib.Path(frame.filename).name}:{frame.lineno}; the {len(unfinished)} "
+            "unfinished requests get error records",
+            file=sys.stderr,
+        )
+        for request in unfinished:
+            line = request.line
+            error = f"line {line.line}: the engine failed before this request finished ({what})"
+            records.emit(request_record(line, error=error))
     wall = time.perf_counter() - start
-    summary = _summary(llm, plan, results, failed, load_s, warmup_s, wall)
-    if bar is not None:
+    summary = _summary(llm, plan, records.results, records.failed, load_s, warmup_s, wall)
+    summary["engine_error"] = (
+        None if engine_error is None else f"{type(engine_error).__name__}: {engine_error}"
+    )
+    if records.bar is not None:
         # The bar's last rate is the summary's figure, from the same counter and clock.
-        bar.set_postfix_str(f"out {summary['generated_tokens_per_s']} tok/s", refresh=True)
-        bar.close()
+        records.bar.set_postfix_str(f"out {summary['generated_tokens_per_s']} tok/s", refresh=True)
+        records.bar.close()
+    return _finish(args, plan, records, summary)
+
+
+def _generate(
+    llm, plan: _Plan, records: _Records, start: float
+) -> tuple[Exception | None, list[JobRequest]]:
+    """Serves the requests, writing each record as its request finishes.
+
+    Returns:
+        (the exception the engine raised, or None; the requests it left unfinished).
+    """
+    unfinished = dict(enumerate(plan.requests))
+    stream = llm.generate_iter([r.prompt for r in plan.requests], [r.params for r in plan.requests])
+    num_generated = 0
+    try:
+        while True:
+            try:
+                i, out = next(stream)
+            except StopIteration:
+                return None, []
+            except Exception as err:  # noqa: BLE001 - the engine's failure ends the run
+                return err, list(unfinished.values())
+            _check_interrupt(plan)
+            line = unfinished.pop(i).line
+            if out.error is not None:
+                records.emit(request_record(line, error=rejected_error(line, i, out.error)))
+                continue
+            records.results.append(out)
+            num_generated += out.metrics.num_generated_tokens
+            if records.bar is not None:
+                rate = num_generated / max(time.perf_counter() - start, 1e-9)
+                records.bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
+            records.emit(request_record(line, out))
+    finally:
+        stream.close()  # aborts what is left (an interrupt)
+
+
+def _finish(args: argparse.Namespace, plan: _Plan, records: _Records, summary: dict) -> int:
+    """Completes the output, writes and prints the summary; the exit status."""
+    summary.setdefault("failed", len(records.failed))
+    _check_interrupt(plan)
     if plan.output is not None:
         plan.output.commit()
     if plan.summary_path is not None:
-        write_json_atomic(plan.summary_path, {**summary, "errors": failed})
+        write_json_atomic(plan.summary_path, {**summary, "errors": records.failed})
     print("\n== paged-jax generate summary ==")
     for key, value in summary.items():
         print(f"{key:>24}: {value}")
-    for f in failed[:5]:
+    for f in records.failed[:5]:
         print(f"  failed request {f['index']} (id {f['id']!r}): {f['error']}")
+    results = records.results
     if results and results[0].outputs:
         print(f"\nfirst completion: {results[0].outputs[0].text[:120]!r}")
-    return 1 if failed else 0
+    return 1 if records.failed else 0
 
 
 def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, Any]:
@@ -489,6 +685,8 @@ def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, An
         "kv_blocks": stats["num_kv_blocks"],
         "peak_kv_usage": round(stats["kv_cache_usage_peak"], 3),
         "prefix_cache_hit_rate": round(stats["prefix_cache_hit_rate"], 3),
+        "max_num_seqs": llm.config.max_num_seqs,
+        "max_num_batched_tokens": llm.config.max_num_batched_tokens,
         "preemptions": stats["num_preemptions"],
         **llm.engine.warmup_report.summary(),
         "warmup_compiles": stats["num_compiles"] - stats["num_compiles_after_warmup"],

@@ -33,17 +33,18 @@ def test_cold_then_warm_start_per_phase(model_dir, tmp_path, capsys):
     cache = ["--compile-cache-dir", str(tmp_path / "cc")]
     cold = _run(model_dir, tmp_path, "cold", *cache)
     err = capsys.readouterr().err
-    # Token buckets 16 and 32 (8 sequences each), 16's decode-only variant and the copy;
-    # the progress line names each.
-    assert (cold["start"], cold["programs"], cold["programs_compiled"]) == ("cold", 4, 4)
+    # Token buckets 16 and 32 (8 sequences each), 16's decode-only variant, the copy and
+    # the prompt-logprobs program; the progress line names each.
+    assert (cold["start"], cold["programs"], cold["programs_compiled"]) == ("cold", 5, 5)
     assert "compiling step tokens=16 seqs=8" in err and "compiling copy" in err
-    assert "cold start: 4 compiled (trace" in err
+    assert "compiling prompt logprobs rows=32" in err
+    assert "cold start: 5 compiled (trace" in err
     assert cold["warmup_compile_s"] > 0 and cold["warmup_cache_load_s"] == 0
     assert (tmp_path / "cc" / "executables").is_dir()
     warm = _run(model_dir, tmp_path, "warm", *cache)
     err = capsys.readouterr().err
-    assert (warm["start"], warm["programs_loaded"], warm["programs_compiled"]) == ("warm", 4, 0)
-    assert "loading step tokens=32 seqs=8" in err and "warm start: 4 loaded" in err
+    assert (warm["start"], warm["programs_loaded"], warm["programs_compiled"]) == ("warm", 5, 0)
+    assert "loading step tokens=32 seqs=8" in err and "warm start: 5 loaded" in err
     assert warm["warmup_trace_s"] == warm["warmup_lower_s"] == warm["warmup_compile_s"] == 0
     assert warm["warmup_cache_load_s"] > 0
     for s in (cold, warm):
