@@ -104,7 +104,7 @@ def stdlib_corpus(max_chars: int = 8_000_000) -> Iterator[str]:
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     total = 0
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         text = path.read_text(encoding="utf-8", errors="replace")
         total += len(text)
         yield text

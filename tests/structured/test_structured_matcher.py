@@ -336,7 +336,11 @@ def test_rollback_restores_earlier_masks(compiler, tokenizer, vocab_size):
         matcher.rollback(99)
 
 
-def test_fill_bitmasks_batch_equals_per_row_fills(compiler, tokenizer, vocab_size):
+@pytest.mark.parametrize("num_threads", [1, 2], ids=["in-turn", "thread-pool"])
+def test_fill_bitmasks_batch_equals_per_row_fills(tokenizer, vocab_size, num_threads):
+    compiler = GrammarCompiler(
+        tokenizer, vocab_size=vocab_size, eos_token_ids=(EOS,), num_threads=num_threads
+    )
     a = compiler.matcher(StructuredOutputsParams(regex="ab+c"))
     b = compiler.matcher(StructuredOutputsParams(json=NESTED_SCHEMA))
     assert b.accept(tokenizer.encode("{").ids[0])
@@ -441,3 +445,30 @@ def test_compiler_reads_a_tokenizer_json_path_and_the_demo_byte_tokenizer(tmp_pa
     matcher = byte_compiler.matcher(StructuredOutputsParams(regex="hi+!"))
     assert matcher.replay(byte_tok.encode("hiii!", add_special_tokens=False).ids)
     assert matcher.is_terminated()
+
+
+def test_a_metaspace_byte_fallback_tokenizer_is_read_as_bytes():
+    """SentencePiece-style (Llama 2): "▁" for spaces and <0xNN> byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "a", "b", "c", "▁a", "ab", "bc", "▁ab"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "a"), ("a", "b"), ("b", "c"), ("▁a", "b")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    compiler = GrammarCompiler(tok, eos_token_ids=(2,))
+    matcher = compiler.matcher(StructuredOutputsParams(regex="ab+c z"))
+    vocab_size = compiler.vocab_size
+    words = allocate_bitmask(1, vocab_size)[0]
+    matcher.fill_bitmask(words)
+    first = {tok.id_to_token(int(t)) for t in allowed_ids(words, vocab_size)}
+    assert first == {"a", "ab", "<0x61>"}  # "▁a" starts with a space: not allowed
+    ids = tok.encode("abbc z").ids
+    assert "<0x7A>" in {tok.id_to_token(t) for t in ids}  # "z" only as a byte token
+    assert matcher.replay(ids) and matcher.is_terminated()

@@ -51,6 +51,8 @@ def test_two_constraints_are_refused_naming_both():
     ("kwargs", "pattern"),
     [
         ({"json": 3}, r"StructuredOutputsParams\.json=3 must be a JSON schema"),
+        ({"json": 0}, r"StructuredOutputsParams\.json=0 must be a JSON schema"),
+        ({"regex": 0}, r"StructuredOutputsParams\.regex=0 must be a non-empty str"),
         ({"json": "{not json"}, r"StructuredOutputsParams\.json='\{not json' must be .*JSON"),
         ({"json": "[1, 2]"}, r"StructuredOutputsParams\.json='\[1, 2\]' must be .*object"),
         ({"json": {"a": {1, 2}}}, r"StructuredOutputsParams\.json=.* must be .*serializable"),
