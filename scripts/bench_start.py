@@ -2,6 +2,7 @@
 
 python scripts/bench_start.py --out docs/start_time.json --readme README.md   # the demo job
 python scripts/bench_start.py --rounds 1 --out x.json -- --max-num-seqs 8       # extra flags
+python scripts/bench_start.py --short-prompts 8 --out docs/start_time_small.json  # a small job
 
 Each round makes an empty compile-cache directory and runs the job twice, each time in a
 fresh process (``python -m paged_jax.entrypoints.generate_cli``, what scripts/generate.py and
@@ -52,6 +53,7 @@ COUNTS = (
     "max_num_batched_tokens",
 )
 TARGETS = {"cold": 4.0, "warm": 1.0}  # (load + warm-up) / generation, at most
+SHORT_PROMPT = "Hello {}"  # --short-prompts: 7-8 tokens each with the demo byte tokenizer
 TABLE_BEGIN = "<!-- start-time table: scripts/bench_start.py --readme -->"
 TABLE_END = "<!-- end of start-time table -->"
 
@@ -169,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="start_time.json", help="where to save the JSON")
     p.add_argument("--rounds", type=int, default=3, help="cold + warm pairs, each on a new cache")
     p.add_argument("--readme", help="rewrite the start-time table in this README")
+    p.add_argument(
+        "--short-prompts",
+        type=int,
+        help="instead of the built-in set, this many one-line prompts (SHORT_PROMPT)",
+    )
     p.add_argument("cli_args", nargs="*", help="flags passed to paged-jax-generate (after --)")
     args = p.parse_args(argv)
     from paged_jax.entrypoints.demo import ensure_demo_model
@@ -177,13 +184,21 @@ def main(argv: list[str] | None = None) -> int:
         ensure_demo_model()  # written once, outside every timed run
     load_at_start = os.getloadavg()[0]
     rounds = []
-    for i in range(args.rounds):
-        with tempfile.TemporaryDirectory() as tmp:
-            env = {**os.environ, "PAGED_JAX_COMPILE_CACHE": os.path.join(tmp, "cache")}
-            cold = run_once(args.cli_args, env, os.path.join(tmp, "cold.json"))
-            warm = run_once(args.cli_args, env, os.path.join(tmp, "warm.json"))
-        rounds.append({"cold": cold, "warm": warm})
-        print(f"round {i + 1}: {json.dumps(rounds[-1])}", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as job_dir:
+        cli_args = list(args.cli_args)
+        if args.short_prompts:
+            prompts = pathlib.Path(job_dir) / "prompts.txt"
+            prompts.write_text(
+                "".join(SHORT_PROMPT.format(i) + "\n" for i in range(args.short_prompts))
+            )
+            cli_args += ["--prompts", str(prompts)]
+        for i in range(args.rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                env = {**os.environ, "PAGED_JAX_COMPILE_CACHE": os.path.join(tmp, "cache")}
+                cold = run_once(cli_args, env, os.path.join(tmp, "cold.json"))
+                warm = run_once(cli_args, env, os.path.join(tmp, "warm.json"))
+            rounds.append({"cold": cold, "warm": warm})
+            print(f"round {i + 1}: {json.dumps(rounds[-1])}", file=sys.stderr)
     report = {
         "command": "python scripts/bench_start.py " + " ".join(argv or sys.argv[1:]),
         "out": args.out,

@@ -7,6 +7,7 @@ and the table rewrite on made-up rounds.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -86,3 +87,26 @@ def test_readme_table_is_rewritten_between_its_markers(tmp_path):
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="no start-time table markers"):
         bench.update_readme(readme, table)
+
+
+def test_short_prompts_job_passes_a_prompts_file(tmp_path, monkeypatch):
+    bench = _bench()
+    seen = []
+
+    def fake_run(cli_args, env, summary):
+        prompts = pathlib.Path(cli_args[cli_args.index("--prompts") + 1])
+        seen.append((cli_args, prompts.read_text()))
+        start = "warm" if summary.endswith("warm.json") else "cold"
+        return _run(start, 1, 2, 0.1, 4)
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr("paged_jax.entrypoints.demo.ensure_demo_model", lambda: None)
+    out = tmp_path / "small.json"
+    assert (
+        bench.main(["--short-prompts", "3", "--rounds", "1", "--out", str(out), "--", "--n", "2"])
+        == 0
+    )
+    assert len(seen) == 2 and seen[0][0][:2] == ["--n", "2"]
+    assert seen[0][1] == "Hello 0\nHello 1\nHello 2\n"
+    report = json.loads(out.read_text())
+    assert report["command"].startswith("python scripts/bench_start.py --short-prompts 3")
