@@ -46,6 +46,7 @@ __all__ = [
     "broadcast_from_primary",
     "initialize",
     "is_primary",
+    "num_processes",
     "schedule_digest",
     "settings_from",
 ]
@@ -153,6 +154,11 @@ def initialize(settings: DistributedSettings) -> None:
             f"process {settings.process_id} of {settings.num_processes}: {e} (the engine "
             "must start before anything else in the process uses jax devices)"
         ) from e
+
+
+def num_processes() -> int:
+    """Processes in this job (1 without jax.distributed)."""
+    return jax.process_count()
 
 
 def is_primary() -> bool:

@@ -32,6 +32,7 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
+from paged_jax.distributed import LockstepGuard, num_processes, schedule_digest
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
 from paged_jax.outputs import EngineOutput, LogprobEntry, RankEntry, logprob_entry
 from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
@@ -171,6 +172,17 @@ class _StepTimes:
         }
 
 
+def lockstep_parts(out: SchedulerOutput) -> tuple:
+    """What a step's schedule decides, for the processes' lockstep checksum."""
+    return (
+        out.scheduled,
+        [row.req_id for row in out.new_rows],
+        sorted(out.new_block_ids.items()),
+        out.preempted_req_ids,
+        out.block_copies,
+    )
+
+
 class Engine:
     """Continuous-batching engine over one model.
 
@@ -233,7 +245,16 @@ class Engine:
         # Read before the runner may take the model's layers over.
         self._model_identity = model_identity(model)
         self._model_name = type(model).__name__
-        self._executable_cache_dir = executable_cache_dir
+        # A program built for several processes is not reloaded from disk: each
+        # process compiles its own part of the job at warm-up.
+        multiprocess = num_processes() > 1
+        self._executable_cache_dir = None if multiprocess else executable_cache_dir
+        # The processes of one engine compare their schedules before the steps run.
+        self._lockstep = (
+            LockstepGuard(config.lockstep_check_interval, every_step=config.validate)
+            if multiprocess
+            else None
+        )
         self.warmup_report: WarmupReport | None = None
         self.runner = Runner(model, config, owns_model=owns_model)
         self.kv_cache_manager = KVCacheManager(
@@ -740,6 +761,9 @@ class Engine:
         launched = None
         prepare_s = dispatch_s = 0.0
         try:
+            guard = self._lockstep
+            if guard is not None and guard.due(self._num_steps, bool(out.new_rows)):
+                guard.check(self._num_steps, schedule_digest(lockstep_parts(out)))
             self._apply_to_device_state(out)
             self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
             assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
@@ -1115,6 +1139,8 @@ class Engine:
         context = program_context(self._model_identity, self.config, self.runner.num_kv_blocks)
         cache = ExecutableCache(self._executable_cache_dir, context)
         self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
+        if self._lockstep is not None:
+            self._lockstep.warmup()
         self._compiles_after_warmup = self.runner.num_compiles
         return len(self.warmup_report.programs)
 

@@ -29,6 +29,8 @@ from paged_jax.compile_cache import (
 )
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
+from paged_jax.distributed import broadcast_from_primary, is_primary, settings_from
+from paged_jax.distributed import initialize as initialize_distributed
 from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
 from paged_jax.outputs import (
@@ -121,6 +123,11 @@ class LLM:
                 f"EngineConfig field; expected one of {sorted(_ENGINE_FIELDS)}"
             )
         config = EngineConfig(**engine_args)
+        job = settings_from(config)
+        if job is not None:  # join the job before anything asks jax for a device
+            initialize_distributed(job)
+        # With several processes, process 0's inputs are every process's (admission).
+        self.is_multiprocess = job is not None
         from pallas_kernels.backend import check_backend
 
         check_backend(config.attention_backend)
@@ -246,6 +253,8 @@ class LLM:
             ValueError: a bad prompt or SamplingParams, the message starting with its
                 index (``prompts[3]: ...``); nothing is run in that case.
         """
+        prompts, sampling_params = self._from_primary(prompts, sampling_params)
+        use_tqdm = use_tqdm and (not self.is_multiprocess or is_primary())
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         submitted: list[tuple[str, str | None, list[int]]] = []
@@ -285,6 +294,7 @@ class LLM:
         its end (``close()``, leaving its for loop, dropping the last reference) aborts
         its unfinished requests; other calls may run between two ``next()`` calls.
         """
+        prompts, sampling_params = self._from_primary(prompts, sampling_params)
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
@@ -327,6 +337,7 @@ class LLM:
         Raises:
             ValueError: no chat template, or a malformed conversation (naming its index).
         """
+        messages, sampling_params = self._from_primary(messages, sampling_params)
         return self.generate(
             self.render_chat(
                 messages,
@@ -443,6 +454,7 @@ class LLM:
         Returns one BeamSearchOutput per prompt, in order, whose ``sequences`` are the
         beam_width best beams, best first. See paged_jax.beam_search for semantics.
         """
+        prompts, params = self._from_primary(prompts, params)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} must be a BeamSearchParams")
         ids = [self.encode(p) if isinstance(p, str) else p for p in self._as_prompt_list(prompts)]
@@ -455,6 +467,14 @@ class LLM:
                 )
         with self._locked():
             return run_beam_search(self.engine, ids, params, decode=self.decode)
+
+    def _from_primary(self, *inputs: Any) -> tuple[Any, ...]:
+        """The call's inputs as process 0 passed them (itself with one process).
+
+        Every process of a multi-process engine must admit the same requests in the
+        same order; process 0 decides, the others may pass None.
+        """
+        return broadcast_from_primary(inputs) if self.is_multiprocess else inputs
 
     # ------------------------------------------------------------------ stepping
     def _step_for(self, pending: set[str]) -> list[EngineOutput]:
