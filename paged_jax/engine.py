@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import operator
 import os
 import statistics
@@ -297,7 +296,6 @@ class Engine:
         # Live requests that compute prompt logprobs, and the parents asking for them.
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         self._parent_prompt_logprobs: dict[str, PromptLogprobs] = {}
-        self._salt_ids = itertools.count()
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
         self._compiles_at_start = self.runner.num_compiles
         self._compiles_after_warmup: int | None = None
@@ -323,9 +321,9 @@ class Engine:
         when ``seed`` is set.
 
         With ``sampling_params.prompt_logprobs`` every prompt position runs through the
-        model: the request gets a prefix-cache salt of its own (``own_cache_salt``), so
-        it never reads blocks another request cached (its own, after a preemption, it
-        does). Its EngineOutput carries ``prompt_logprobs``. The model must have
+        model: the request never starts from cached blocks
+        (``Request.skip_reading_prefix_cache``, as vLLM does; its own full blocks are
+        cached for others). Its EngineOutput carries ``prompt_logprobs``. The model must have
         ``forward_paged_hidden`` and ``logits`` (``Runner.supports_prompt_logprobs``).
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
@@ -369,24 +367,13 @@ class Engine:
                     f"with forward_paged_hidden and logits (every paged_jax.models model has "
                     f"them); {self._model_name} has not: pass prompt_logprobs=None"
                 )
-            req.cache_salt = self.own_cache_salt(req.cache_salt)
-            prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs, req.cache_salt)
+            req.skip_reading_prefix_cache = True
+            prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
         if params.n > 1:
             self._add_parent(req, prompt)
             return
         self._register(request_id, params, prompt, owns_prompt=True)
         self.scheduler.add_request(req)
-
-    def own_cache_salt(self, cache_salt: str | None) -> str | None:
-        """A prefix-cache salt that no other request of this engine has (prompt logprobs).
-
-        Only full blocks with equal salts match, so a request with it never reads a block
-        another request cached; its own blocks stay hittable by itself (a preempted
-        request resumes from them). With prefix caching off the salt is kept as given.
-        """
-        if not self.config.enable_prefix_caching:
-            return cache_salt
-        return f"{cache_salt or ''}\x00prompt logprobs {next(self._salt_ids)}"
 
     @_serialised
     def fork_request(
@@ -647,7 +634,8 @@ class Engine:
         """Queues a parent's carrier or one of its samples as a plain request (computing
         the parent's prompt logprobs while they are incomplete)."""
         prompt = self._parent_prompt_logprobs.get(parent.request_id)
-        self._register(request_id, params, None if prompt is None or prompt.complete else prompt)
+        computes = prompt is not None and not prompt.complete
+        self._register(request_id, params, prompt if computes else None)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -656,6 +644,7 @@ class Engine:
                 cache_salt=parent.cache_salt,
                 priority=parent.priority,
                 arrival_time=arrival_time,
+                skip_reading_prefix_cache=computes,
             )
         )
 

@@ -28,15 +28,14 @@ class PromptLogprobs:
         prompt_token_ids: the prompt whose tokens are the targets (a parallel-sampling
             carrier prefills all but the last token, yet its entries cover the prompt).
         num_top: top entries per position (SamplingParams.prompt_logprobs).
-        cache_salt: the prefix-cache salt of the requests that compute it (the engine
-            gives them a salt of their own, so they never read a block another request
-            cached: every position must run through the model).
+
+    The requests that compute it skip reading the prefix cache
+    (``Request.skip_reading_prefix_cache``): every position runs through the model.
     """
 
-    def __init__(self, prompt_token_ids: Sequence[int], num_top: int, cache_salt: str | None):
+    def __init__(self, prompt_token_ids: Sequence[int], num_top: int):
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_top = num_top
-        self.cache_salt = cache_salt
         self.logprobs: list[LogprobEntry] = []
         self.ranks: list[RankEntry] = []
 

@@ -245,9 +245,10 @@ class KVCacheManager:
 
         Returns:
             (hit blocks per group, number of hit tokens). (empty, 0) when caching
-            is disabled.
+            is disabled or the request skips reading the cache
+            (``Request.skip_reading_prefix_cache``; not counted as a query).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         self._ensure_hasher(request)
         num_tokens = request.num_tokens

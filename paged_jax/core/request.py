@@ -71,6 +71,9 @@ class Request:
         arrival_time: seconds (time.time() when None).
         adapter_id: optional adapter (LoRA) id mixed into every block's hash.
         block_hasher: optional callable that computes new full-block hashes.
+        skip_reading_prefix_cache: never start from cached blocks (every prompt
+            position runs through the model, as prompt logprobs need); the request's
+            own full blocks are still cached for others.
 
     Raises:
         ValueError: on an empty prompt, a negative or non-int token id, or a bad
@@ -88,6 +91,7 @@ class Request:
         arrival_time: float | None = None,
         adapter_id: int | str | None = None,
         block_hasher: BlockHasherFn | None = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r} must be a str")
@@ -118,6 +122,7 @@ class Request:
         self.prompt_token_ids = ids
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.adapter_id = adapter_id
