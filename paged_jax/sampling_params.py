@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from paged_jax.constants import fail, is_int, is_number
+from paged_jax.structured_outputs import StructuredOutputsParams
 
 # The device sampler keeps a fixed number of top logprobs per row so its shape is static.
 MAX_LOGPROBS = 20
@@ -49,6 +50,8 @@ class SamplingParams:
         include_stop_str_in_output: keep the matched stop string (or the stop
             token's text) at the end of the output text.
         skip_special_tokens: leave special tokens out of the decoded text.
+        structured_outputs: a constraint the output must satisfy (JSON schema, regex,
+            choice, grammar; docs/structured_outputs.md), or None.
     """
 
     n: int = 1
@@ -69,6 +72,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.
@@ -127,6 +131,9 @@ class SamplingParams:
         for name in ("include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            fail(self, "structured_outputs", "None or a StructuredOutputsParams")
 
     @property
     def has_penalties(self) -> bool:

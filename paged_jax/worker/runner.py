@@ -39,7 +39,7 @@ from jax.experimental import checkify
 
 import pallas_kernels
 from paged_jax.config import EngineConfig
-from paged_jax.constants import NONFINITE_TOKEN_ID
+from paged_jax.constants import NONFINITE_TOKEN_ID, cdiv
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
 from paged_jax.models.layer_scan import (
@@ -596,6 +596,10 @@ class Runner:
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
         self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # Structured outputs: words per bitmask row (cdiv(V, 32)), and the all-ones
+        # bitmask of each num_seqs bucket.
+        self.bitmask_width = cdiv(int(model.config.vocab_size), 32)
+        self._all_ones_bitmask: dict[int, jax.Array] = {}
 
     def block_ids_in_every_tensor(self, ids: jax.Array) -> jax.Array:
         """Inside jit: block ids i32[n] as rows of every KV tensor's cache (a copy or a swap
@@ -625,7 +629,7 @@ class Runner:
             step.token_ids,
             step.positions,
             step.attention,
-            self._with_penalty_inputs(step.sampling, step.attention.seq_lens),
+            self._with_bitmask(self._with_penalty_inputs(step.sampling, step.attention.seq_lens)),
             step.feed,
         )
 
@@ -757,6 +761,19 @@ class Runner:
                 f"kv_cache_dtype={self.config.kv_cache_dtype!r} has no scales (fp8 only)"
             )
         self.kv_scales = jax.numpy.asarray(check_kv_scales(scales, self._num_layers))
+
+    def _with_bitmask(self, sampling: SamplingMetadata) -> SamplingMetadata:
+        """The sampler's inputs with a structured-outputs bitmask i32[S, W]. A step without
+        a constrained row gets a resident all-ones one (made once per bucket): nothing is
+        copied and it shares the program of a step with one."""
+        if sampling.bitmask is not None:
+            return sampling
+        s = sampling.temperature.shape[0]
+        ones = self._all_ones_bitmask.get(s)
+        if ones is None:
+            ones = jax.device_put(np.full((s, self.bitmask_width), -1, np.int32))
+            self._all_ones_bitmask[s] = ones
+        return sampling._replace(bitmask=ones)
 
     def _with_penalty_inputs(
         self, sampling: SamplingMetadata, seq_lens: np.ndarray

@@ -20,6 +20,7 @@ from paged_jax.worker.step_input import SamplingMetadata
 
 __all__ = [
     "SamplerOutput",
+    "apply_bitmask",
     "SamplingMetadata",
     "TokenLogprobs",
     "apply_penalties",
@@ -63,6 +64,25 @@ def token_logprobs(raw_logprobs: jax.Array, token_ids: jax.Array) -> TokenLogpro
     k = min(MAX_LOGPROBS, raw_logprobs.shape[-1])
     top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, k)
     return TokenLogprobs(chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+
+
+def apply_bitmask(logits: jax.Array, words: jax.Array) -> jax.Array:
+    """Logits with -inf where a structured-outputs bitmask disallows the token.
+
+    Args:
+        logits: f32[S, V].
+        words: i32[S, W]; bit t % 32 of word t // 32 allows token t; columns past 32 * W
+            are disallowed. An all-ones row (-1 words) leaves its logits as they are.
+    """
+    vocab = logits.shape[-1]
+    num_words = words.shape[-1]
+    col = jnp.arange(vocab, dtype=jnp.int32)
+    word = col // 32
+    inside = word < num_words
+    picked = words[:, jnp.minimum(word, num_words - 1)]  # i32[S, V]
+    # A logical shift reads bit 31 (the sign bit) like the others.
+    bits = jax.lax.shift_right_logical(picked, jnp.broadcast_to(col % 32, picked.shape)) & 1
+    return jnp.where((bits != 0) & inside[None, :], logits, -jnp.inf)
 
 
 def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
@@ -195,7 +215,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         meta: per-row settings (padding rows may hold anything finite).
 
     Returns:
-        SamplerOutput with the sampled ids, their raw log-probabilities and ranks,
+        SamplerOutput with the sampled ids, their log-probabilities (of the distribution
+        the bitmask leaves, if any, before bans and penalties) and ranks,
         plus the top MAX_LOGPROBS log-probabilities of each row. A row whose raw logits hold a
         NaN or an infinity (checked before bans, which add -inf on purpose) gets
         NONFINITE_TOKEN_ID and NaN log-probabilities instead, whatever it would have drawn.
@@ -203,8 +224,19 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     # One reduction per step, over the rows the log-softmax reads anyway.
     nonfinite = ~jnp.isfinite(logits).all(axis=-1)  # bool[S]
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = _ban_tokens(logits, meta.masked_token_ids)
+    if meta.bitmask is not None:
+        # Structured outputs: before everything else, so every mode and the logprobs
+        # (the masked distribution) see only the tokens the grammar allows.
+        logits = apply_bitmask(logits, meta.bitmask)
+        raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+        allowed = logits
+        banned = _ban_tokens(logits, meta.masked_token_ids)
+        # A min_tokens ban of EOS on a row whose grammar allows only EOS leaves nothing:
+        # the grammar wins there.
+        logits = jnp.where(jnp.isfinite(banned).any(axis=-1, keepdims=True), banned, allowed)
+    else:
+        raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+        logits = _ban_tokens(logits, meta.masked_token_ids)
     logits = _maybe_penalize(logits, meta)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
         meta.seeds, meta.counters

@@ -119,6 +119,9 @@ class SamplingMetadata(NamedTuple):
     repetition_penalty: Any = None  # f32[S]; 1 = off
     history_token_ids: Any = None  # i32[S, L]; L = max_model_len
     history_lens: Any = None  # i32[S]; tokens in the history (prompt + output)
+    # Structured outputs (None = no row constrained): bit t % 32 of word t // 32 of row s
+    # allows token t (paged_jax.structured_outputs); all ones (-1) constrains nothing.
+    bitmask: Any = None  # i32[S, W]; W = cdiv(vocab_size, 32)
 
 
 class TokenFeed(NamedTuple):
