@@ -115,7 +115,9 @@ SAMPLING_FLAGS = {
     "include_stop_str_in_output": Flag("keep the stop string / stop token text in the output text"),
     "skip_special_tokens": Flag("keep special tokens in the output text"),
 }
-SAMPLING_ABSENT: dict[str, str] = {}
+SAMPLING_ABSENT = {
+    "structured_outputs": "a per-request constraint object: the Python API's SamplingParams",
+}
 
 # EngineConfig fields on the command line, in --help order.
 ENGINE_FLAGS = {
