@@ -19,6 +19,9 @@ is noticed by jax.distributed's heartbeat: the survivors exit with its error aft
 
 CPU processes talk through gloo collectives (set here before the backend starts), so the
 whole path runs on one machine: two processes with forced CPU devices each.
+
+jax is imported inside the functions that need it: the CLI's front end reads a job's
+settings (settings_from) without starting jax.
 """
 
 from __future__ import annotations
@@ -30,9 +33,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from paged_jax.config import EngineConfig
 
@@ -130,6 +131,8 @@ def initialize(settings: DistributedSettings) -> None:
         RuntimeError: jax already started its backends in this process (a device was
             queried or an array made first), or it joined another job.
     """
+    import jax
+
     if jax.distributed.is_initialized():
         if jax.process_count() != settings.num_processes or (
             jax.process_index() != settings.process_id
@@ -158,16 +161,23 @@ def initialize(settings: DistributedSettings) -> None:
 
 def num_processes() -> int:
     """Processes in this job (1 without jax.distributed)."""
+    import jax
+
     return jax.process_count()
 
 
 def is_primary() -> bool:
     """True on process 0 (the one that decides admission and writes outputs)."""
+    import jax
+
     return jax.process_index() == 0
 
 
 def broadcast_from_primary(obj: Any) -> Any:
     """Process 0's `obj` on every process (any picklable object); itself for one process."""
+    import jax
+    from jax.experimental import multihost_utils
+
     if jax.process_count() == 1:
         return obj
     payload = pickle.dumps(obj) if is_primary() else b""
@@ -207,6 +217,8 @@ class LockstepGuard:
         Raises:
             LockstepError: the processes' schedules differ (listing each one's).
         """
+        from jax.experimental import multihost_utils
+
         signed = digest - (1 << 32) if digest >= 1 << 31 else digest  # fits int32
         mine = np.array([step, signed], np.int32)
         every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 2)
@@ -224,4 +236,6 @@ class LockstepGuard:
 
     def warmup(self) -> None:
         """Builds the check's all-gather program (so no step compiles it later)."""
+        from jax.experimental import multihost_utils
+
         multihost_utils.process_allgather(np.zeros(2, np.int32))

@@ -19,6 +19,8 @@ from typing import Any
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
+from paged_jax.distributed import initialize as initialize_distributed
+from paged_jax.distributed import settings_from
 from paged_jax.entrypoints.data_parallel import (
     add_data_parallel_flags,
     check_data_parallel_args,
@@ -161,14 +163,25 @@ ENGINE_FLAGS = {
     ),
     # --seed is the per-request SamplingParams.seed.
     "seed": Flag("seed for unseeded requests", name="engine-seed"),
+    "distributed_coordinator_address": Flag(
+        "multi-process engine: process 0's host:port; every process runs this command "
+        "with its own --process-id, only process 0 writes output (default: "
+        "$JAX_COORDINATOR_ADDRESS; docs/scale_out.md)",
+        name="coordinator-address",
+    ),
+    "distributed_num_processes": Flag(
+        "processes of a multi-process engine (default: $JAX_NUM_PROCESSES)",
+        name="num-processes",
+    ),
+    "distributed_process_id": Flag(
+        "this process's rank in [0, --num-processes) (default: $JAX_PROCESS_ID)",
+        name="process-id",
+    ),
 }
 ENGINE_ABSENT = {
     "scheduling_policy": "the prompts file carries no request priority",
     "hash_algo": "the prefix-cache hash changes no output",
     "validate": "a debugging switch of the tests (device-side range checks)",
-    "distributed_coordinator_address": "multi-host: $JAX_COORDINATOR_ADDRESS (Python API)",
-    "distributed_num_processes": "multi-host: $JAX_NUM_PROCESSES (Python API)",
-    "distributed_process_id": "multi-host: $JAX_PROCESS_ID (Python API)",
     "distributed_heartbeat_timeout_s": "a multi-host knob of the Python API",
     "lockstep_check_interval": "a multi-host knob of the Python API",
 }
@@ -382,10 +395,19 @@ def _prepare(args: argparse.Namespace) -> _Plan:
             num_requests=len(requests),
         )
         EngineConfig(**engine_args)
+    # A multi-process engine: every process runs this command, process 0 writes.
+    job = settings_from(
+        EngineConfig(**{k: v for k, v in engine_args.items() if k.startswith("distributed_")})
+    )
+    if job is not None:  # join before the checks below start jax's backend
+        initialize_distributed(job)
+    writes = job is None or job.process_id == 0
     from pallas_kernels.backend import check_backend
 
     check_backend(args.attention_backend)
-    output = JsonlStream(args.output) if args.output else None
+    if not writes:
+        summary_path = None
+    output = JsonlStream(args.output) if args.output and writes else None
     if output is not None and output.moved_aside is not None:
         _say(
             args,

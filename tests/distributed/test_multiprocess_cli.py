@@ -1,0 +1,62 @@
+"""The documented two-process command: paged-jax-generate on every process, TP over both.
+
+Each process runs the same command with its own --process-id; only process 0 writes
+the output file, and its records equal the one-process run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+PROMPTS = ["the cat sat", "on a mat", "paged attention", "x"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(model_dir, prompts, output, *extra):
+    cmd = [sys.executable, "-m", "paged_jax.entrypoints.generate_cli", "--model", str(model_dir)]
+    cmd += ["--prompts", str(prompts), "--output", str(output), "--no-tqdm"]
+    cmd += ["--no-compile-cache", "--temperature", "0", "--max-tokens", "8", "--ignore-eos"]
+    return cmd + list(extra)
+
+
+def _records(path):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["id"]: (r.get("error"), [c["token_ids"] for c in r.get("outputs", [])]) for r in rows}
+
+
+def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    one = tmp_path / "one.jsonl"
+    subprocess.run(_cli(model_dir, prompts, one), check=True, capture_output=True, timeout=300)
+
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs, logs = [], []
+    for rank in (0, 1):
+        extra = ["--tensor-parallel-size", "4", "--coordinator-address", f"127.0.0.1:{port}"]
+        extra += ["--num-processes", "2", "--process-id", str(rank)]
+        log = (tmp_path / f"cli_{rank}.log").open("w")
+        logs.append(log)
+        out = tmp_path / f"out_{rank}.jsonl"
+        cmd = _cli(model_dir, prompts, out, *extra)
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for log in logs:
+            log.close()
+    assert codes == [0, 0], (tmp_path / "cli_0.log").read_text()[-3000:]
+    assert not (tmp_path / "out_1.jsonl").exists()  # only process 0 writes
+    assert _records(tmp_path / "out_0.jsonl") == _records(one)
