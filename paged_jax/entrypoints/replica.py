@@ -8,8 +8,9 @@ sends, so any JSON value survives the trip through Arrow). Each row is parsed, r
 tokenized and served exactly as the single-process CLI serves a line, and its record is
 the CLI's record (entrypoints/records.py).
 
-Nothing here imports ray: Ray Data calls a Replica like any callable class
-(entrypoints/data_parallel.py builds the pool), and the tests call it directly. Placement
+Nothing here imports ray (it only reads the running task's id when Ray has loaded):
+Ray Data calls a Replica like any callable class (entrypoints/data_parallel.py builds
+the pool), and the tests call it directly. Placement
 (CPU cores, forced CPU devices) is applied before jax is first imported in the process.
 """
 
@@ -136,6 +137,8 @@ class Replica:
         self.cores = self._place(cpu_cores, job_dir, cpu_devices, platform)
         self.job_dir = None if job_dir is None else pathlib.Path(job_dir)
         self.max_batch_retries = max_batch_retries
+        # Batches served per Ray task by this process (see _count_attempt).
+        self.task_calls: dict[str, int] = {}
         from paged_jax.llm import LLM
 
         t0 = time.perf_counter()
@@ -202,9 +205,10 @@ class Replica:
         lines = [request_line(row) for row in rows]
         tries = self._count_attempt(rows)
         if tries > 1 + self.max_batch_retries:
+            deaths = tries - 1
             error = (
-                f"the replicas serving this request's batch died {tries - 1} times "
-                f"(max_batch_retries={self.max_batch_retries})"
+                f"the replicas serving this request's batch died {deaths} "
+                f"time{'s' if deaths != 1 else ''} (max_batch_retries={self.max_batch_retries})"
             )
             return [
                 request_record(ln, error=_located(ln, f"line {ln.line}: {error}")) for ln in lines
@@ -243,10 +247,20 @@ class Replica:
         return records
 
     def _count_attempt(self, rows: list[Mapping[str, Any]]) -> int:
-        """How many times this batch was started on this host, this time included."""
+        """How many times this batch was started on this host, this time included.
+
+        A batch is known by its Ray task (a retry keeps the task's id), its place among
+        that task's batches (a task may serve several; a restarted replica counts them
+        from 0 again, as the retried task runs them again in order) and its rows, so two
+        batches of equal rows are not taken for retries of each other.
+        """
         if self.job_dir is None:
             return 1
-        key = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()
+        task = current_task_id()
+        place = self.task_calls.get(task, 0)
+        self.task_calls[task] = place + 1
+        text = f"{task}:{place}:" + json.dumps(rows, sort_keys=True, default=str)
+        key = hashlib.sha256(text.encode()).hexdigest()
         directory = self.job_dir / "attempts"
         directory.mkdir(parents=True, exist_ok=True)
         fd = os.open(directory / key, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
@@ -295,6 +309,14 @@ class Replica:
             if self.llm.compile_cache_dir
             else None,
         }
+
+
+def current_task_id() -> str:
+    """The Ray task running this call ("" outside Ray: ray is never imported here)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return ""
+    return ray.get_runtime_context().get_task_id() or ""
 
 
 def parse_crash_hook(hook: str | None) -> tuple[int | None, str | None]:

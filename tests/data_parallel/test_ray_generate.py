@@ -108,6 +108,8 @@ def test_generate_dataset_serves_a_parquet_dataset(job, model_dir, tmp_path):
     """The Python entry point on a Ray Dataset read from Parquet (nulls = not given)."""
     _, single = job
     rows = [dict(r, index=i) for i, r in enumerate(LINES) if isinstance(r.get("prompt"), str)]
+    assert len(rows) == 12  # batches of 3: the last two batches are the same six rows
+    dups = [{"id": "dup", "prompt": "same again"}] * 6
     script = textwrap.dedent(
         f"""
         import json, sys
@@ -122,7 +124,7 @@ def test_generate_dataset_serves_a_parquet_dataset(job, model_dir, tmp_path):
         ds = ray.data.read_parquet({str(tmp_path / "p.parquet")!r})
         out = generate_dataset(
             ds, {str(model_dir)!r}, SamplingParams(temperature=0.0, max_tokens=6),
-            data_parallel_size=2, batch_size=3, cpus_per_replica=1,
+            data_parallel_size=2, batch_size=3, cpus_per_replica=1, max_batch_retries=0,
             compile_cache={str(job[0][job[0].index("--compile-cache-dir") + 1])!r},
             block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
         )
@@ -130,7 +132,7 @@ def test_generate_dataset_serves_a_parquet_dataset(job, model_dir, tmp_path):
         """
     )
     proc = subprocess.run(
-        [sys.executable, "-c", script, json.dumps(rows)],
+        [sys.executable, "-c", script, json.dumps(rows + dups)],
         capture_output=True,
         text=True,
         timeout=RAY_TIMEOUT_S,
@@ -138,6 +140,11 @@ def test_generate_dataset_serves_a_parquet_dataset(job, model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
     records = json.loads(line[len("RECORDS ") :])
+    # Equal batches of one job are not retries of each other (no retry is allowed here).
+    same = [r for r in records if r["index"] is None]
+    assert len(same) == 6 and all(r["error"] is None for r in same), same
+    assert len({json.dumps(r["outputs"]) for r in same}) == 1
+    records = [r for r in records if r["index"] is not None]
     assert sorted(r["index"] for r in records) == [r["index"] for r in rows]
     for r in records:  # a dataset row has no line number; the rest is the CLI's record
         assert r.pop("line") is None

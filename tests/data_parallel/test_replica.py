@@ -100,10 +100,15 @@ def test_a_row_without_a_line_number_gets_an_error_without_one(replica):
     assert (record["index"], record["line"], record["id"]) == (None, None, "z")
 
 
-def test_a_batch_past_its_retries_gets_error_records(replica):
+def test_a_batch_past_its_retries_gets_error_records(replica, monkeypatch):
+    """A retry is the same task's same batch in a new process (its count starts again)."""
+    monkeypatch.setattr("paged_jax.entrypoints.replica.current_task_id", lambda: "task-7")
     rows = [{"index": 0, "line": 1, "prompt": "retry me"}]
     assert replica.serve(rows)[0]["error"] is None  # first try
+    assert replica.serve(rows)[0]["error"] is None  # equal rows, the task's next batch
+    replica.task_calls.clear()  # the replica died and was restarted
     assert replica.serve(rows)[0]["error"] is None  # the one retry allowed
+    replica.task_calls.clear()
     (record,) = replica.serve(rows)
     assert record["error"] == (
         "line 1: the replicas serving this request's batch died 2 times (max_batch_retries=1)"
