@@ -1,7 +1,8 @@
 """paged-jax: a JAX/Pallas implementation of the vLLM paged KV-cache stack.
 
 The top level is the user's API, shaped like vLLM's: ``LLM`` and ``SamplingParams`` to
-generate, ``BeamSearchParams`` for beam search, the outputs they return,
+generate (``StructuredOutputsParams`` to constrain an output), ``BeamSearchParams`` for
+beam search, the outputs they return,
 ``EngineConfig`` / ``Engine`` / ``PagedModel`` to serve a model of one's own, and the
 host block manager (``KVCacheManager``, ``BlockPool``, ``KVCacheBlock``, ``Request``)
 for research on its own. Everything else lives in ``paged_jax.core`` (host) and
@@ -24,6 +25,7 @@ from paged_jax.core.request import Request, RequestStatus
 from paged_jax.model_api import PagedModel, PagedModelConfig
 from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from paged_jax.engine import Engine
@@ -86,4 +88,5 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]

@@ -37,6 +37,7 @@ from paged_jax.outputs import EngineOutput, LogprobEntry, RankEntry, logprob_ent
 from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
 from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured_outputs import GrammarCompiler, Matcher
 from paged_jax.worker.executable_cache import (
     ExecutableCache,
     WarmupReport,
@@ -45,6 +46,7 @@ from paged_jax.worker.executable_cache import (
 )
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner
+from paged_jax.worker.step_input import StepInput
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
 
@@ -57,6 +59,12 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+
+# EngineOutput.error of a constrained request whose sampled token its grammar refused.
+GRAMMAR_REFUSED_ERROR = (
+    "the sampled token {token} is not allowed by the request's structured_outputs "
+    "constraint (its grammar refused it)"
+)
 
 # The parts of a step() call's host time that get_stats()["host_phase_time_ms"] reports.
 HOST_PHASES = ("schedule", "prepare", "dispatch", "process_outputs")
@@ -197,6 +205,10 @@ class Engine:
         executable_cache_dir: where warmup() saves its compiled programs and a later
             engine with the same key loads them (paged_jax.worker.executable_cache);
             None keeps them in memory. LLM passes <compile cache dir>/executables.
+        tokenizer: the checkpoint's ``tokenizers.Tokenizer`` (or its tokenizer.json path),
+            needed for requests with ``SamplingParams.structured_outputs``: their grammars
+            compile against its vocabulary (one ``GrammarCompiler``, built on the first
+            such request). LLM passes its own.
 
     Attributes:
         warmup_report: what warmup() built (programs compiled or loaded, seconds per
@@ -221,6 +233,7 @@ class Engine:
         detokenize: Callable[[Sequence[int]], str] | None = None,
         owns_model: bool = False,
         executable_cache_dir: str | os.PathLike | None = None,
+        tokenizer: Any = None,
     ):
         check_paged_model(model)
         config = config or EngineConfig()
@@ -299,6 +312,11 @@ class Engine:
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
         self._compiles_at_start = self.runner.num_compiles
         self._compiles_after_warmup: int | None = None
+        # Structured outputs: the compiler (built on the first constrained request) and
+        # the matcher of every live constrained request.
+        self._tokenizer = tokenizer
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._matchers: dict[str, Matcher] = {}
 
     # ------------------------------------------------------------ requests
     @_serialised
@@ -369,6 +387,8 @@ class Engine:
                 )
             req.skip_reading_prefix_cache = True
             prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
+        if params.structured_outputs is not None:
+            self._new_matcher(params)  # a bad constraint raises here, naming its field
         if params.n > 1:
             self._add_parent(req, prompt)
             return
@@ -405,7 +425,8 @@ class Engine:
             sampling_params: the child's; default the parent's.
 
         A child computes none of its prompt, so it reports no prompt logprobs whatever
-        its SamplingParams.prompt_logprobs.
+        its SamplingParams.prompt_logprobs. A child with structured outputs starts its
+        grammar over its output tokens (a refused one raises ValueError).
 
         Raises:
             ValueError: an unknown or not-running parent, a taken child id, token ids
@@ -490,6 +511,35 @@ class Engine:
             request_id in self._parents or request_id in self._parent_of
         )
 
+    def _grammars(self) -> GrammarCompiler:
+        """The engine's GrammarCompiler, built on first use; ValueError without a tokenizer."""
+        if self._grammar_compiler is None:
+            if self._tokenizer is None:
+                raise ValueError(
+                    "SamplingParams.structured_outputs needs the checkpoint's tokenizer: "
+                    "pass Engine(tokenizer=...) (LLM does when it has one)"
+                )
+            self._grammar_compiler = GrammarCompiler(
+                self._tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size
+            )
+        return self._grammar_compiler
+
+    def _new_matcher(self, params: SamplingParams, output_token_ids: Sequence[int] = ()) -> Matcher:
+        """A matcher for params.structured_outputs past ``output_token_ids``.
+
+        Raises:
+            ValueError: the constraint does not compile (naming the field), or the grammar
+                refuses one of the tokens.
+        """
+        matcher = self._grammars().matcher(params.structured_outputs)
+        if output_token_ids and not matcher.replay(output_token_ids):
+            raise ValueError(
+                f"output_token_ids={list(output_token_ids)!r} must be allowed by "
+                "SamplingParams.structured_outputs: its grammar refuses token "
+                f"{int(output_token_ids[matcher.num_accepted])}"
+            )
+        return matcher
+
     def _register(
         self,
         request_id: str,
@@ -497,9 +547,13 @@ class Engine:
         prompt: PromptLogprobs | None = None,
         *,
         owns_prompt: bool = False,
+        matcher: Matcher | None = None,
     ) -> None:
         """Creates a request's engine state; ``prompt`` collects the prompt logprobs it
-        computes (its own output reports them when ``owns_prompt``)."""
+        computes (its own output reports them when ``owns_prompt``). A constrained request
+        gets ``matcher`` or a new one at its grammar's start."""
+        if params.structured_outputs is not None:
+            self._matchers[request_id] = matcher or self._new_matcher(params)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         wants = params.logprobs is not None
         self._states[request_id] = _ReqState(
@@ -521,6 +575,7 @@ class Engine:
     def _unregister(self, request_id: str) -> _ReqState:
         """Drops a request's engine state (the inverse of _register)."""
         st = self._states.pop(request_id)
+        self._matchers.pop(request_id, None)
         self._awaiting_first_token.discard(request_id)
         self._stop_string_ids.discard(request_id)
         self._prompt_logprobs.pop(request_id, None)
@@ -576,7 +631,17 @@ class Engine:
                 f"child {child_id!r} must share at least one computed token with "
                 f"{parent.request_id!r}"
             )
-        self._register(child_id, params)
+        matcher = None
+        if params.structured_outputs is not None:
+            source = self._matchers.get(parent.request_id)
+            same = (
+                source is not None
+                and parent.sampling_params.structured_outputs == params.structured_outputs
+                and source.accepted_token_ids == tuple(child.output_token_ids)
+            )
+            # A copy of the parent's state when it is the child's, else a replay.
+            matcher = source.copy() if same else self._new_matcher(params, child.output_token_ids)
+        self._register(child_id, params, matcher=matcher)
         try:
             self.scheduler.fork_request(parent.request_id, child, num_tokens=common)
         except ValueError:
@@ -733,7 +798,14 @@ class Engine:
         already ended come back from the next step(). A request whose logits are not
         finite ends with finish_reason "error" (NONFINITE_LOGITS_ERROR); the others
         continue.
+
+        Structured outputs: while a constrained request is live every step reads its own
+        tokens (a constrained row's mask needs its previous token), so outputs equal the
+        synchronous engine's; a step() that finds an async step in flight then only reads
+        that one.
         """
+        if self._matchers and self._in_flight is not None:
+            return self._read_in_flight()
         t0 = time.perf_counter()
         clock = self.phase_clock
         sched = self.scheduler
@@ -760,6 +832,8 @@ class Engine:
                 self._record_blocks_per_request(out)
                 c0 = clock()
                 step = self.input_batch.prepare(out.scheduled, out.block_copies)
+                if self._matchers:
+                    step = self._with_grammar_bitmask(step, out)
                 rows = targets = prompt = None
                 if self._prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = self._prompt_rows(out.scheduled)
@@ -775,7 +849,7 @@ class Engine:
                 launched = InFlightStep.launch(out, sched.requests, pending, cached, prompt)
                 self._num_steps += 1
             ready = launched
-            if self.config.async_scheduling and not self._synchronous:
+            if self.config.async_scheduling and not self._synchronous and not self._matchers:
                 ready, self._in_flight = previous, launched
             wait_s = process_s = 0.0
             if ready is not None:
@@ -796,6 +870,32 @@ class Engine:
         if launched is not None or ready is not None:
             self._times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
+
+    def _read_in_flight(self) -> list[EngineOutput]:
+        """step() without scheduling: reads the async step in flight (see step())."""
+        finished, self._undelivered = self._undelivered, []
+        previous, self._in_flight = self._in_flight, None
+        try:
+            finished += self._process_outputs(previous, previous.pending.result())
+        except BaseException:
+            self._roll_back(SchedulerOutput(), [], previous, finished)
+            raise
+        if self._prefilling:
+            self._fork_prefilled_samples()
+        if self._parent_of:
+            finished = self._gather_samples(finished)
+        return finished
+
+    def _with_grammar_bitmask(self, step: StepInput, out: SchedulerOutput) -> StepInput:
+        """The step with its constrained rows' allowed-token bitmask (unchanged when no row
+        that samples is constrained: the runner then passes its resident all-ones one)."""
+        matchers = self._matchers
+        rows = [matchers.get(seq.req_id) if seq.samples else None for seq in out.scheduled]
+        if not any(rows):
+            return step
+        words = np.empty((step.bucket[1], self.runner.bitmask_width), np.int32)
+        self._grammars().fill_bitmasks(rows, words)
+        return dataclasses.replace(step, sampling=step.sampling._replace(bitmask=words))
 
     def _roll_back(
         self,
@@ -825,6 +925,10 @@ class Engine:
         touched += [live[rid] for rid, _ in out.swap_out if rid in live]
         for rid in sched.roll_back(touched):
             self.runner.drop_swapped(rid)
+        for req in touched:  # a grammar past tokens that were dropped starts over
+            m = self._matchers.get(req.request_id)
+            if m is not None and m.accepted_token_ids != tuple(req.output_token_ids):
+                m.replay(req.output_token_ids)
         for req in touched:  # ended while its tokens were applied, not reported yet
             rid = req.request_id
             if req.is_finished() and rid in self._states and live.get(rid) is not req:
@@ -892,6 +996,7 @@ class Engine:
             self._record_prompt_logprobs(step, result)
         sched = self.scheduler
         sampled, broken = self._record_samples(step, result)
+        refused, grammar_done = self._accept_constrained(sampled) if self._matchers else ((), ())
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         live = sampled
         if done:
@@ -911,6 +1016,16 @@ class Engine:
                 req.request_id, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR
             )
             done.append(req)
+        for req, token in refused:
+            message = GRAMMAR_REFUSED_ERROR.format(token=token)
+            sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, message)
+            done.append(req)
+        for req_id in grammar_done:  # EOS ended the grammar under ignore_eos: a stop
+            req = sched.requests.get(req_id)
+            if req is not None and not req.is_finished():
+                sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                live.pop(req_id, None)
+                done.append(req)
         batch = self.input_batch
         row_of = batch.row_of
         rows = list(map(row_of.get, live))
@@ -937,6 +1052,29 @@ class Engine:
                 batch.remove_request(req.request_id)
             finished.append(self._finish(req))
         return finished
+
+    def _accept_constrained(
+        self, sampled: dict[str, int]
+    ) -> tuple[list[tuple[Request, int]], list[str]]:
+        """Advances each constrained request's matcher past its sampled token.
+
+        A refused token is taken out of ``sampled`` and its request returned (it ends
+        with an error); also returns the requests whose grammar EOS ended though they
+        ignore EOS.
+        """
+        refused, ended = [], []
+        eos = self.eos_token_ids
+        requests = self.scheduler.requests
+        for req_id, token in list(sampled.items()):
+            matcher = self._matchers.get(req_id)
+            if matcher is None:
+                continue
+            if not matcher.accept(token):
+                del sampled[req_id]
+                refused.append((requests[req_id], token))
+            elif token in eos and self._states[req_id].params.ignore_eos:
+                ended.append(req_id)
+        return refused, ended
 
     # ------------------------------------------------------------ helpers
     def _apply_to_device_state(self, out) -> None:

@@ -175,6 +175,7 @@ class LLM:
             # are freed once stacked for the scan); a model object passed in stays usable.
             owns_model=isinstance(model, (str, pathlib.Path)),
             executable_cache_dir=executable_cache_dir(self.compile_cache_dir),
+            tokenizer=self.tokenizer,  # structured outputs compile against its vocabulary
         )
         self.config = self.engine.config
         self._ids = itertools.count()

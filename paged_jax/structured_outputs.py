@@ -12,7 +12,8 @@ An all-ones row (-1 in every word) constrains nothing. A live matcher always all
 least EOS: EOS is allowed when the grammar can end, and a terminated matcher allows only
 EOS.
 
-The device side (not built yet; ``apply_bitmask_reference`` is its numpy reference):
+The device side (``paged_jax.worker.sampling.apply_bitmask``; ``apply_bitmask_reference``
+is its numpy reference):
 
 - The jitted sampler takes one more fixed-shape input, ``bitmask i32[S, W]`` over the
   step's sequence bucket S; unconstrained and padding rows are all ones, so the program
@@ -29,7 +30,7 @@ The device side (not built yet; ``apply_bitmask_reference`` is its numpy referen
   all-ones ``i32[S, W]`` per sequence bucket (made at warm-up) and passes it; a step with
   one fills a host buffer with ``GrammarCompiler.fill_bitmasks`` and transfers it.
 
-Engine wiring (the calls, in order): build one ``GrammarCompiler(tokenizer,
+Engine wiring (``paged_jax.engine``; the calls, in order): build one ``GrammarCompiler(tokenizer,
 vocab_size=V, eos_token_ids=...)`` per engine (lazily, on the first constrained request);
 at submission ``compiler.matcher(params)`` (a ValueError names the bad field: reject that
 request only); per step ``compiler.fill_bitmasks(matchers_by_row, bitmask)`` for the rows
