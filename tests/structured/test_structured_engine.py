@@ -7,8 +7,11 @@ the BPE's multi-character tokens make constraints cross token boundaries.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -168,3 +171,55 @@ def test_greedy_constrained_outputs_survive_preemption(llms, checkpoint):
     assert stats["num_preemptions"] > 0
     assert got == want
     assert stats["num_compiles_after_warmup"] == 0
+
+
+def test_a_complete_grammar_ends_the_request_under_ignore_eos(llms):
+    so = StructuredOutputsParams(choice=CHOICES)
+    (out,) = llms["sync"].generate(["pick"], _params(so, ignore_eos=True))
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and c.text in CHOICES
+
+
+def test_an_engine_without_a_tokenizer_refuses_constrained_requests():
+    from paged_jax import Engine, EngineConfig
+    from paged_jax.testing.fake_model import SumModel
+
+    engine = Engine(SumModel(), EngineConfig(max_num_seqs=2, max_num_batched_tokens=16))
+    with pytest.raises(ValueError, match="structured_outputs needs the checkpoint's tokenizer"):
+        engine.add_request("a", [1, 2], _params(StructuredOutputsParams(choice=["x"])))
+    assert not engine.has_unfinished()
+
+
+def _tp_main(path: str, out: str) -> None:
+    """Child process of the TP test: the batch greedy at tensor_parallel_size=2."""
+    prompts, params = _batch()
+    llm = LLM(path, tensor_parallel_size=2, **SMALL)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    after = llm.engine.get_stats()["num_compiles_after_warmup"]
+    with open(out, "w") as f:
+        json.dump({"token_ids": got, "compiles_after_warmup": after}, f)
+
+
+def test_greedy_constrained_outputs_equal_at_tensor_parallel_2(llms, checkpoint, tmp_path):
+    prompts, params = _batch()
+    want = [o.outputs[0].token_ids for o in llms["sync"].generate(prompts, params)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    ).strip()
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, __file__, str(checkpoint), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"TP subprocess failed:\n{proc.stderr[-4000:]}"
+    report = json.loads(out.read_text())
+    assert report["token_ids"] == want
+    assert report["compiles_after_warmup"] == 0
+
+
+if __name__ == "__main__":
+    _tp_main(*sys.argv[1:])
