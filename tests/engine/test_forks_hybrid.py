@@ -9,12 +9,11 @@ must equal serving each prompt alone, and the LLM must keep serving afterwards.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.core.copy_on_write import max_copies_per_step
+from paged_jax.testing.bounded import call_within
 
 HYBRID_FAMILIES = ("gemma2", "gemma3_text")
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18, 19, 20, 21], [22, 23, 24]]
@@ -22,25 +21,6 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14], [15, 16, 17, 18, 19, 20, 21]
 
 def _completions(outs):
     return [[tuple(c.token_ids) for c in o.outputs] for o in outs]
-
-
-def _bounded(fn, timeout=240):
-    """Runs fn in a thread so a hang fails the test instead of blocking the suite."""
-    result = {}
-
-    def run():
-        try:
-            result["value"] = fn()
-        except BaseException as e:  # reported below
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(timeout)
-    assert not t.is_alive(), f"did not finish within {timeout} s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -62,12 +42,12 @@ def test_n_samples_on_hybrid_models_equal_serving_each_prompt_alone(
     assert llm.engine.input_batch.copies_width == max_copies_per_step(max_num_seqs, 2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:num_prompts]]
     params = SamplingParams(n=n, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
-    together = _bounded(lambda: llm.generate(prompts, params, use_tqdm=False))
+    together = call_within(240, llm.generate, prompts, params, use_tqdm=False)
     assert [len(o.outputs) for o in together] == [n] * num_prompts
-    alone = [_bounded(lambda p=p: llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
+    alone = [call_within(240, llm.generate, [p], params, use_tqdm=False)[0] for p in prompts]
     assert _completions(together) == _completions(alone)
     # Still serving: another forked batch afterwards.
-    again = _bounded(lambda: llm.generate(prompts, params, use_tqdm=False))
+    again = call_within(240, llm.generate, prompts, params, use_tqdm=False)
     assert _completions(again) == _completions(together)
     stats = llm.get_stats()
     assert stats["num_compiles_after_warmup"] == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import time
 
 import pytest
@@ -13,28 +12,10 @@ import pytest
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
 from paged_jax.entrypoints.generate_cli import main as generate_main
 from paged_jax.entrypoints.prompts_file import line_byte_limit, read_prompt_lines
+from paged_jax.testing.bounded import call_within
 
 ENGINE = ["--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "16"]
 ENGINE += ["--max-model-len", "64", "--no-compile-cache", "--no-tqdm"]
-
-
-def _within(seconds: float, fn, *args, **kwargs):
-    """fn(*args) in a thread; fails (instead of hanging the suite) when it runs too long."""
-    result: dict = {}
-
-    def target():
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as err:  # re-raised in the test's thread
-            result["error"] = err
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"{fn.__name__} still running after {seconds} s"
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def test_the_line_limit_leaves_room_for_any_prompt_that_fits():
@@ -47,9 +28,9 @@ def test_an_endless_line_is_refused_after_the_total_limit(tmp_path):
     # /dev/zero never sends a newline: the reader stops at the total limit, keeping
     # at most one line's limit in memory, instead of growing until the OOM killer.
     with pytest.raises(ValueError, match=r"--prompts='/dev/zero' is longer than 1024 bytes"):
-        _within(30, read_prompt_lines, "/dev/zero", 4, max_total_bytes=1024)
+        call_within(30, read_prompt_lines, "/dev/zero", 4, max_total_bytes=1024)
     with pytest.raises(ValueError, match=r"endless input"):
-        _within(60, read_prompt_lines, "/dev/zero", 64)
+        call_within(60, read_prompt_lines, "/dev/zero", 64)
 
 
 def test_too_many_lines_are_refused(tmp_path, monkeypatch):
@@ -63,7 +44,7 @@ def test_an_overlong_line_is_an_error_record_and_the_others_are_kept(tmp_path):
     path = tmp_path / "p.jsonl"
     long_line = json.dumps({"prompt": "x" * (limit + 10)})
     path.write_text(f'{{"prompt": "a"}}\n{long_line}\n{{"prompt": "b"}}\n')
-    fmt, lines = _within(30, read_prompt_lines, str(path), 4)
+    fmt, lines = call_within(30, read_prompt_lines, str(path), 4)
     assert fmt == "jsonl"
     assert [(x.line, x.value) for x in lines if x.error is None] == [(1, "a"), (3, "b")]
     assert lines[1].line == 2 and lines[1].value is None
@@ -80,7 +61,7 @@ def test_a_32_mb_line_is_rejected_by_size_and_the_others_complete(model_dir, tmp
     out = tmp_path / "out.jsonl"
     args = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out)]
     t0 = time.perf_counter()
-    code = _within(600, generate_main, [*args, "--max-tokens", "2", *ENGINE])
+    code = call_within(600, generate_main, [*args, "--max-tokens", "2", *ENGINE])
     assert code == 1, capsys.readouterr().err
     records = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records[1]["error"] is None and records[3]["error"] is None
@@ -94,7 +75,7 @@ def test_prompts_from_dev_zero_exit_2_in_one_line(model_dir, capsys, monkeypatch
 
     monkeypatch.setattr("paged_jax.llm.LLM", no_load)
     args = ["--model", str(model_dir), "--prompts", "/dev/zero", *ENGINE]
-    assert _within(120, generate_main, args) == 2
+    assert call_within(120, generate_main, args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "--prompts='/dev/zero' is longer than" in err and "endless input" in err
@@ -138,11 +119,13 @@ def test_a_huge_string_to_llm_generate_is_rejected_before_tokenizing():
             f"has at most {bound} characters"
         )
         with pytest.raises(ValueError) as info:
-            _within(60, llm.generate, text, SamplingParams(max_tokens=2), use_tqdm=False)
+            call_within(60, llm.generate, text, SamplingParams(max_tokens=2), use_tqdm=False)
         assert str(info.value) == expected
     assert tokenizer.lengths == []  # neither long text reached the tokenizer
     # generate_iter: the long prompt gets an error output, the other one completes.
-    outs = dict(_within(60, list, llm.generate_iter([huge, "hi"], SamplingParams(max_tokens=2))))
+    outs = dict(
+        call_within(60, list, llm.generate_iter([huge, "hi"], SamplingParams(max_tokens=2)))
+    )
     assert "cannot fit max_model_len=64" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2
     assert tokenizer.lengths == [2]

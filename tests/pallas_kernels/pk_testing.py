@@ -8,7 +8,6 @@ slots hold random data. Block tables use a random permutation of the block ids.
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import dataclass
 
 import jax
@@ -16,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export
 from jax.experimental.pallas import cdiv
+
+from paged_jax.testing.bounded import call_within
 
 # The custom call a Pallas Triton kernel lowers to.
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -208,18 +209,4 @@ def lower_for_cuda(fn, *shapes) -> str:
 def with_timeout(fn, *args, limit_s: float = 300, **kwargs):
     """fn(*args, **kwargs), blocked until ready, in a thread: the test fails if it runs
     past `limit_s` instead of hanging CI (an interpreted kernel call takes seconds)."""
-    result = {}
-
-    def target():
-        try:
-            result["out"] = jax.block_until_ready(fn(*args, **kwargs))
-        except BaseException as e:  # re-raised in the test thread
-            result["err"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(limit_s)
-    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} ran past {limit_s} s"
-    if "err" in result:
-        raise result["err"]
-    return result["out"]
+    return call_within(limit_s, lambda: jax.block_until_ready(fn(*args, **kwargs)))
