@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import pathlib
 import signal
@@ -15,7 +16,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
@@ -43,6 +44,7 @@ from paged_jax.entrypoints.prompts_file import (
 )
 from paged_jax.entrypoints.records import rejected_error, request_record
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from paged_jax.structured_outputs import StructuredOutputsParams
 
 PROG = "paged-jax-generate"
 EPILOG = f"""\
@@ -50,8 +52,12 @@ prompts file: JSONL when its first non-blank line is a JSON object, else one pro
 line. A JSONL line holds exactly one of "prompt" (text), "prompt_token_ids" (list of
 ints) or "messages" (a chat, rendered with --chat-template or the checkpoint's chat
 template), an optional "id" echoed in the output, and optional SamplingParams overrides
-such as "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n". "-" reads
-standard input. Every line is rendered and tokenized before the model loads.
+such as "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", and
+"structured_outputs" ({{"json": schema}}, {{"regex": ...}}, {{"choice": [...]}},
+{{"grammar": ...}}, {{"json_object": true}}: vLLM's keys; null for none), which wins over
+--json-schema, --regex or --choice; a constraint that is invalid, or that the grammar
+library cannot compile, is that line's error record. "-" reads standard input. Every
+line is rendered and tokenized before the model loads.
 
 output: one JSON line per request, written as each request finishes (so in finish
 order; "index" is the position in the prompts file). A request that cannot be served
@@ -118,8 +124,19 @@ SAMPLING_FLAGS = {
     "skip_special_tokens": Flag("keep special tokens in the output text"),
 }
 SAMPLING_ABSENT = {
-    "structured_outputs": "a per-request constraint object: the Python API's SamplingParams",
+    # Not one flag per field: one of three flags builds the constraint (add_constraint_flags).
+    "structured_outputs": "--json-schema FILE, --regex PATTERN or --choice A,B,C",
 }
+# The flags that set SamplingParams.structured_outputs for the whole file, by its field.
+CONSTRAINT_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
+
+
+class ConstraintFlag(NamedTuple):
+    """The constraint flag given: its StructuredOutputsParams field and the flag's value."""
+
+    field: str
+    value: str
+
 
 # EngineConfig fields on the command line, in --help order.
 ENGINE_FLAGS = {
@@ -215,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-json", help="write the run's summary as JSON here")
     s = p.add_argument_group("sampling (SamplingParams fields; JSONL lines may override)")
     add_field_flags(s, SamplingParams, SAMPLING_FLAGS, SAMPLING_ABSENT)
+    add_constraint_flags(s)
     e = p.add_argument_group("engine (EngineConfig fields)")
     add_field_flags(e, EngineConfig, ENGINE_FLAGS, ENGINE_ABSENT)
     e.add_argument(
@@ -229,6 +247,57 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parallel_flags(p)
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar or load progress")
     return p
+
+
+def add_constraint_flags(group: Any) -> None:
+    """--json-schema / --regex / --choice: at most one (argparse exits 2 naming both)."""
+    flags = group.add_mutually_exclusive_group()
+    helps = {
+        "json": ("FILE", "outputs are JSON valid under the JSON schema in FILE"),
+        "regex": ("PATTERN", "outputs fullmatch the regex (Rust regex syntax)"),
+        "choice": ("A,B,C", "outputs are exactly one of the comma-separated strings"),
+    }
+    for field, flag in CONSTRAINT_FLAGS.items():
+        metavar, text = helps[field]
+        flags.add_argument(
+            flag,
+            dest="structured_outputs",
+            metavar=metavar,
+            type=functools.partial(ConstraintFlag, field),
+            default=None,
+            help=f'{text}, for every line without its own "structured_outputs" '
+            "(docs/structured_outputs.md)",
+        )
+
+
+def constraint_from_args(
+    args: argparse.Namespace,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the run-wide constraint, None) or (None, why it is unusable) from the constraint flag.
+
+    An unusable constraint (a file that is not a JSON schema, an empty choice) is the
+    error of each line that takes it, not of the run: lines with their own constraint
+    are served.
+
+    Raises:
+        ValueError: the --json-schema file cannot be read (nothing is run).
+    """
+    given: ConstraintFlag | None = args.structured_outputs
+    if given is None:
+        return None, None
+    flag = CONSTRAINT_FLAGS[given.field]
+    value: Any = given.value
+    if given.field == "json":
+        try:
+            value = pathlib.Path(given.value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"{flag}={given.value!r} cannot be read: {err}") from err
+    elif given.field == "choice":
+        value = value.split(",")
+    try:
+        return StructuredOutputsParams(**{given.field: value}), None
+    except ValueError as err:
+        return None, f"{flag}={given.value!r}: {err}"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -347,6 +416,8 @@ def _prepare(args: argparse.Namespace) -> _Plan:
     )
     EngineConfig(**provisional)
     params = sampling_params_from_args(args)
+    constraint, constraint_error = constraint_from_args(args)
+    params = dataclasses.replace(params, structured_outputs=constraint)
     if args.prompts is not None:
         check_readable(args.prompts)
     elif args.num_prompts < 1:
@@ -385,7 +456,10 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         tokenizer=facts.tokenizer,
         chat_template=facts.chat_template,
         max_model_len=facts.max_model_len,
+        base_error=constraint_error,
     )
+    if any(r.params.structured_outputs is not None for r in requests):
+        _check_grammar_library()
     job_size = None
     if requests:
         engine_args, job_size = size_engine(
@@ -430,6 +504,18 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         compile_cache,
         None if chat_template is None else chat_template.source,
     )
+
+
+def _check_grammar_library() -> None:
+    """Constrained requests need llguidance: checked before the model loads."""
+    import importlib.util
+
+    if importlib.util.find_spec("llguidance") is None:
+        raise ValueError(
+            "structured outputs (--json-schema, --regex, --choice, a line's "
+            '"structured_outputs") need the llguidance package: pip install '
+            "'paged-jax[structured]'"
+        )
 
 
 def _say(args: argparse.Namespace, message: str, end: str = "\n") -> None:

@@ -3,7 +3,8 @@
 JSONL (the first non-blank line is a JSON object): one request per line, exactly one of
     {"prompt": "text"} | {"prompt_token_ids": [1, 2, 3]} | {"messages": [{"role": ..., ...}]}
 plus an optional "id" (echoed in the output) and per-line SamplingParams overrides
-({"max_tokens": 8, "temperature": 0.7, "stop": ["\\n"], "n": 2, ...}).
+({"max_tokens": 8, "temperature": 0.7, "stop": ["\\n"], "n": 2, ...}), a constraint among them
+({"structured_outputs": {"json": {...}}}, vLLM's keys; null: none).
 Plain text: every non-blank line is one prompt. "-" reads standard input. Lines end at
 "\\n" ("\\r\\n" too).
 
@@ -26,6 +27,7 @@ from typing import Any, BinaryIO
 
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured_outputs import StructuredOutputsParams
 
 # A whole prompts file is held in memory (as lines, then requests): these bound it.
 MAX_PROMPTS_FILE_BYTES = 1 << 30
@@ -37,6 +39,8 @@ _CHUNK_BYTES = 1 << 20
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 ALLOWED_KEYS = ("id", *PROMPT_KEYS, *OVERRIDE_KEYS)
+# The keys of a line's "structured_outputs" object (vLLM's names).
+CONSTRAINT_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init)
 
 
 @dataclasses.dataclass
@@ -280,7 +284,31 @@ def params_for(base: SamplingParams, line: PromptLine) -> SamplingParams:
     """
     if not line.overrides:
         return base
+    overrides = dict(line.overrides)
     try:
-        return dataclasses.replace(base, **line.overrides)
+        if "structured_outputs" in overrides:
+            overrides["structured_outputs"] = constraint_of(overrides["structured_outputs"])
+        return dataclasses.replace(base, **overrides)
     except (ValueError, TypeError) as err:
         raise ValueError(f"line {line.line}: {err}") from err
+
+
+def constraint_of(value: Any) -> StructuredOutputsParams | None:
+    """A line's "structured_outputs" value as StructuredOutputsParams; null: unconstrained.
+
+    Raises:
+        ValueError: not an object, an unknown key, or a bad field (naming it).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"structured_outputs={value!r} must be an object with one of 'json', 'regex', "
+            "'choice', 'grammar', 'json_object' (or null)"
+        )
+    unknown = [k for k in value if k not in CONSTRAINT_KEYS]
+    if unknown:
+        raise ValueError(
+            f"structured_outputs: unknown key {unknown[0]!r}; expected {list(CONSTRAINT_KEYS)}"
+        )
+    return StructuredOutputsParams(**value)
