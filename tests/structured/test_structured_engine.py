@@ -218,3 +218,27 @@ def test_greedy_constrained_outputs_equal_at_tensor_parallel_2(llms, checkpoint,
 
 if __name__ == "__main__":
     _tp_main(*sys.argv[1:])
+
+
+ARITHMETIC_LARK = r"""
+start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /0|[1-9][0-9]{0,2}/
+"""
+
+
+def test_an_arithmetic_grammar_gives_expressions_that_parse(llms):
+    import ast
+
+    so = StructuredOutputsParams(grammar=ARITHMETIC_LARK)
+    params = [_params(so, temperature=1.0, seed=s, max_tokens=24) for s in range(6)]
+    outs = llms["sync"].generate(["1 2 3"] * 6, params)
+    finished = [o.outputs[0] for o in outs if o.outputs[0].finish_reason == "stop"]
+    assert finished, [o.outputs[0].text for o in outs]
+    for c in finished:
+        assert re.fullmatch(r"[0-9+\-*/()]+", c.text), c.text
+        ast.parse(c.text, mode="eval")  # a SyntaxError fails the test
+    for o in outs:  # a truncated one is still a prefix of an expression
+        assert re.fullmatch(r"[0-9+\-*/()]*", o.outputs[0].text), o.outputs[0].text
