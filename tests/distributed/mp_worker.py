@@ -9,13 +9,10 @@ Only process 0 passes prompts: the engine broadcasts them. Writes {"outputs": [.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
-
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
+import sys
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [24]]
 MAX_TOKENS = 12
@@ -29,6 +26,9 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--mode", default="generate", choices=["generate", "desync", "die"])
     args = p.parse_args()
+    # Set here, not at import: the test imports this module for its constants, and its
+    # environment must stay the suite's (other tests' subprocesses inherit it).
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
     from paged_jax import LLM, SamplingParams
 
