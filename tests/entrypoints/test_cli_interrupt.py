@@ -29,10 +29,24 @@ def demo_dir(tmp_path_factory):
     return write_demo_model(tmp_path_factory.mktemp("demo") / "model")
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal gives it. A child inherits an
+    ignored or blocked SIGINT, and a Python started so never raises KeyboardInterrupt;
+    something earlier in a full test run can leave the runner's SIGINT that way."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _interrupt(cmd: list[str], marker: str, delay_s: float) -> tuple[int, str]:
     """Runs `cmd`, sends SIGINT `delay_s` after `marker` shows on stderr; (status, stderr)."""
     env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(
+        cmd,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=_default_sigint,
+    )
     err = b""
     deadline = time.monotonic() + DEADLINE_S
     try:
@@ -99,6 +113,15 @@ def test_a_ctrl_c_that_python_swallowed_still_stops_the_run(model_dir, tmp_path,
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(LLM, "__init__", init)
+    # The CLI only replaces Python's own handler; start from it whatever ran before.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _swallowed_run(model_dir, tmp_path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _swallowed_run(model_dir, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("one\n")
     args = ["--model", str(model_dir), "--prompts", str(prompts), "--max-tokens", "2"]
