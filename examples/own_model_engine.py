@@ -131,10 +131,15 @@ class TinyLM(nnx.Module):
 
 
 def dense_greedy(model: TinyLM, prompt: list[int], max_new: int) -> list[int]:
-    forward = nnx.jit(lambda m, ids: m(ids)[-1].argmax())
+    # One padded length for every call, so the dense reference compiles once: causal
+    # attention keeps the padding after position n - 1 out of that position's logits.
+    length = model.config.max_position_embeddings
+    forward = nnx.jit(lambda m, ids, n: m(ids)[n - 1].argmax())
     ids = list(prompt)
     for _ in range(max_new):
-        ids.append(int(forward(model, jnp.array(ids, jnp.int32))))
+        padded = np.zeros(length, np.int32)
+        padded[: len(ids)] = ids
+        ids.append(int(forward(model, jnp.asarray(padded), len(ids))))
     return ids[len(prompt) :]
 
 
