@@ -1,0 +1,1 @@
+"""Speculative decoding: the proposer contract (proposer.py), n-gram lookup, draft models."""
