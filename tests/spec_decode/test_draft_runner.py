@@ -1,16 +1,16 @@
-"""DraftRunner's programs: proposals equal the draft model's own greedy continuation
+"""The draft proposer's programs: proposals equal the draft model's own greedy continuation
 (transformers' dense generate).
 
 The draft's paged cache is addressed by hand-made (permuted) block tables, as the target's
 scheduler would hand them over: a prompt catch-up, k proposals from the next token, then
 a step after a partial rejection whose stale lookahead KV must not change the next
-proposal.
+proposal. Proposals go through DraftModelProposer.propose (the Proposer contract), so
+draft_probs is checked in its row-indexed layout too.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from paged_jax.config import EngineConfig
 from paged_jax.core.scheduler_output import ScheduledSeq
@@ -18,6 +18,7 @@ from paged_jax.sampling_params import SamplingParams
 
 K = 3
 BLOCK = 4
+MAX_LEN = 48
 
 
 def _assert_continues(got: np.ndarray, ref: list[int]) -> None:
@@ -25,80 +26,90 @@ def _assert_continues(got: np.ndarray, ref: list[int]) -> None:
     assert len(ref) >= 1 and got.tolist()[: len(ref)] == ref, (got.tolist(), ref)
 
 
-def _propose(runner, batch, rows_tokens, positions):
-    """propose() for the batch's rows 0..n-1 with greedy settings; host token ids i32[n, K]."""
-    from paged_jax.spec_decode.draft_runner import DraftSampling
+def _batch(step, rows, token_lists, accepted, block_ids, temperature):
+    from paged_jax.spec_decode.proposer import ProposalBatch, ProposalSampling
 
-    s = runner.num_rows
-    n = len(rows_tokens)
-    tokens = np.zeros(s, np.int32)
-    tokens[:n] = rows_tokens
-    pos = np.zeros(s, np.int32)
-    pos[:n] = positions
-    table = np.zeros((s, batch.config.max_blocks_per_seq), np.int32)
-    table[:n] = batch.block_table.tables[0][:n]
-    active = np.arange(s) < n
-    sampling = DraftSampling(
-        np.zeros(s, np.float32),
-        np.zeros(s, np.int32),
-        np.ones(s, np.float32),
-        np.zeros(s, np.float32),
-        np.zeros(s, np.uint32),
+    n = len(rows)
+    return ProposalBatch(
+        step_input=step,
+        req_ids=[f"r{i}" for i in range(n)],
+        rows=np.asarray(rows, np.int32),
+        token_ids=token_lists,
+        next_token_ids=np.array([t[-1] for t in token_lists], np.int32),
+        next_positions=np.array([len(t) - 1 for t in token_lists], np.int32),
+        num_accepted=np.asarray(accepted, np.int32),
+        block_ids=[(ids,) for ids in block_ids],
+        sampling=ProposalSampling(
+            temperature=np.asarray(temperature, np.float32),
+            top_k=np.zeros(n, np.int32),
+            top_p=np.ones(n, np.float32),
+            min_p=np.zeros(n, np.float32),
+            seeds=np.arange(n, dtype=np.uint32) + 11,
+            counters=np.zeros(n, np.int32),
+        ),
     )
-    proposal = runner.propose(tokens, pos, table, active, sampling)
-    ids = np.asarray(proposal.token_ids)
-    probs = np.asarray(proposal.probs)
-    assert (ids[n:] == 0).all(), "rows without a proposal must propose zeros"
-    np.testing.assert_allclose(probs[:n].sum(-1), 1.0, rtol=1e-5)
-    return ids[:n]
 
 
-@pytest.mark.parametrize("family", ["llama"])
-def test_draft_programs_equal_dense_greedy_after_catch_up_and_rejection(
-    tiny_hf_checkpoint, hf_greedy, family
-):
-    from paged_jax.models import load_model
-    from paged_jax.spec_decode.draft_runner import DraftRunner
+def test_draft_proposals_equal_greedy_after_catch_up_and_rejection(tiny_hf_checkpoint, hf_greedy):
+    from paged_jax.spec_decode.draft_model import DraftModelProposer
+    from paged_jax.spec_decode.proposer import ProposerContext, SpeculativeConfig
     from paged_jax.worker.input_batch import InputBatch
 
-    path = tiny_hf_checkpoint(family, seed=3)
-    model = load_model(path, attention_backend="reference")
+    path = tiny_hf_checkpoint("llama", seed=3)
     config = EngineConfig(
         block_size=BLOCK,
         num_kv_blocks=40,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        max_model_len=48,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=MAX_LEN,
         attention_backend="reference",
     )
-    runner = DraftRunner(model, config, config.num_kv_blocks, K)
+    spec = SpeculativeConfig(model=str(path), num_speculative_tokens=K)
+    proposer = DraftModelProposer(spec, ProposerContext(config, vocab_size=128))
+    proposer.initialize(config.num_kv_blocks)
+    proposer.warmup()
+    compiles = proposer.num_compiles
+
     batch = InputBatch(config)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 128, size=n).tolist() for n in (5, 9)]
-    # Permuted block ids, enough for prompt + 2 steps of k+1 tokens + lookahead.
+    # Permuted block ids, enough for prompt + 2 steps of k + 1 tokens + lookahead.
     ids = rng.permutation(np.arange(1, 40)).tolist()
+    blocks = [ids[i * 8 : (i + 1) * 8] for i in range(2)]
     for i, prompt in enumerate(prompts):
-        batch.add_request(f"r{i}", prompt, ids[i * 8 : (i + 1) * 8], SamplingParams(), 0)
+        batch.add_request(f"r{i}", prompt, blocks[i], SamplingParams(), 0)
     step = batch.prepare([ScheduledSeq(f"r{i}", 0, len(p), 0) for i, p in enumerate(prompts)])
-    runner.warmup([batch.dummy_step_input(*step.bucket)])
-    compiles = runner.num_compiles
-    runner.catch_up(step)
 
     # The target's first sampled token b (any id; here a fixed one per row).
     firsts = [7, 11]
-    got = _propose(runner, batch, firsts, [len(p) for p in prompts])
-    for i, prompt in enumerate(prompts):
-        _assert_continues(got[i], hf_greedy(path, prompt + [firsts[i]], K))
+    lists = [p + [b] for p, b in zip(prompts, firsts)]
+    got = proposer.propose(_batch(step, [0, 1], lists, [0, 0], blocks, [0.0, 0.0]))
+    assert got.num_tokens.tolist() == [K, K]
+    probs = np.asarray(got.draft_probs)  # f32[max_num_seqs, k, V] by input-batch row
+    assert probs.shape == (config.max_num_seqs, K, 128)
+    np.testing.assert_allclose(probs[:2].sum(-1), 1.0, rtol=1e-5)
+    for i in range(2):
+        _assert_continues(got.token_ids[i], hf_greedy(path, lists[i], K))
+        assert (probs[i, np.arange(K), got.token_ids[i]] == 1.0).all(), "greedy q is one-hot"
 
     # Verification step: tokens [b d1 .. dk] at positions P .. P+k; the target accepts
     # one draft token and corrects the next (c), so positions past P+1 hold stale KV.
-    for i in range(len(prompts)):
-        batch.append_token_ids(f"r{i}", [firsts[i], *got[i].tolist()])
+    for i in range(2):
+        batch.append_token_ids(f"r{i}", [firsts[i], *got.token_ids[i].tolist()])
     step = batch.prepare([ScheduledSeq(f"r{i}", len(p), K + 1, 1) for i, p in enumerate(prompts)])
-    runner.catch_up(step)
     corrections = [5, 9]
-    got2 = _propose(runner, batch, corrections, [len(p) + 2 for p in prompts])
-    for i, prompt in enumerate(prompts):
-        context = prompt + [firsts[i], int(got[i][0]), corrections[i]]
-        _assert_continues(got2[i], hf_greedy(path, context, K))
-    assert runner.num_compiles == compiles, "a draft call compiled after warm-up"
+    lists = [lists[i] + [int(got.token_ids[i][0]), corrections[i]] for i in range(2)]
+    # Row 1 samples (temperature 1): its q is a full distribution and its tokens come
+    # from it; the proposal is the same on a second call (keys by seed and position).
+    again = _batch(step, [0, 1], lists, [1, 1], blocks, [0.0, 1.0])
+    got2 = proposer.propose(again)
+    _assert_continues(got2.token_ids[0], hf_greedy(path, lists[0], K))
+    q = np.asarray(got2.draft_probs)[1]
+    assert (q[np.arange(K), got2.token_ids[1]] > 0).all() and (q > 0).sum() > K
+    assert proposer.propose(again).token_ids.tolist() == got2.token_ids.tolist()
+    assert proposer.num_compiles == compiles, "a draft call compiled after warm-up"
+
+    # Near max_model_len the proposals stop at the last position.
+    near = [list(range(3, 3 + MAX_LEN - 1))]
+    short = proposer.propose(_batch(None, [2], near, [0], [blocks[0]], [0.0]))
+    assert short.num_tokens.tolist() == [1]
