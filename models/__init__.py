@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from paged_jax.models.attention import AttentionMetadata, KVCache
 from paged_jax.models.checkpoint import load_model_from_orbax, save_params
-from paged_jax.models.config import ModelConfig, RopeConfig
+from paged_jax.models.config import ModelConfig, MoEConfig, RopeConfig
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from paged_jax.models.gpt2 import GPT2LMHeadModel
@@ -18,9 +18,12 @@ from paged_jax.models.kv_scales import calibrate_kv_scales
 from paged_jax.models.llama import LlamaForCausalLM
 from paged_jax.models.loader import load_config, load_model
 from paged_jax.models.mistral import MistralForCausalLM
+from paged_jax.models.mixtral import MixtralForCausalLM
 from paged_jax.models.opt import OPTForCausalLM
 from paged_jax.models.qwen2 import Qwen2ForCausalLM
+from paged_jax.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_jax.models.qwen3 import Qwen3ForCausalLM
+from paged_jax.models.qwen3_moe import Qwen3MoeForCausalLM
 from paged_jax.models.registry import MODEL_CLASSES, model_class_for, supported_architectures
 
 __all__ = [
@@ -33,10 +36,14 @@ __all__ = [
     "KVCache",
     "LlamaForCausalLM",
     "MistralForCausalLM",
+    "MixtralForCausalLM",
     "ModelConfig",
+    "MoEConfig",
     "OPTForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
     "RopeConfig",
     "calibrate_kv_scales",
     "load_config",

@@ -289,6 +289,54 @@ class RopeConfig:
         return inv_freq.astype(np.float32)
 
 
+# How a family's router turns its top-k probabilities into combine weights.
+ROUTER_WEIGHT_DTYPES = ("model", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: which layers have one, its router and its experts.
+
+    Attributes:
+        num_experts: routed experts per MoE layer (E).
+        num_experts_per_tok: experts each token is sent to (top-k).
+        moe_intermediate_size: hidden width of one routed expert.
+        norm_topk_prob: renormalise the top-k probabilities to sum to 1.
+        sparse_layers: per layer, True where the MLP is a MoE block (Qwen2-MoE and
+            Qwen3-MoE keep dense MLPs on ``mlp_only_layers`` and off ``decoder_sparse_step``).
+        shared_expert_intermediate_size: width of the always-on shared expert, gated by
+            sigmoid(x @ w) (Qwen2-MoE); None: no shared expert.
+        router_weight_dtype: "model": the top-k weights are cast to the model dtype
+            before they scale expert outputs (Qwen); "float32": they stay float32 and the
+            product is cast back (Mixtral).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int | None = None
+    router_weight_dtype: str = "model"
+
+    def __post_init__(self):
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(self, name, "an int >= 1")
+        if self.num_experts_per_tok > self.num_experts:
+            fail(self, "num_experts_per_tok", f"<= num_experts={self.num_experts}")
+        shared = self.shared_expert_intermediate_size
+        if shared is not None and (not is_int(shared) or shared < 1):
+            fail(self, "shared_expert_intermediate_size", "an int >= 1 or None")
+        if not isinstance(self.norm_topk_prob, bool):
+            fail(self, "norm_topk_prob", "a bool")
+        object.__setattr__(self, "sparse_layers", tuple(self.sparse_layers))
+        if not all(isinstance(s, bool) for s in self.sparse_layers):
+            fail(self, "sparse_layers", "a tuple of bools, one per layer")
+        if self.router_weight_dtype not in ROUTER_WEIGHT_DTYPES:
+            fail(self, "router_weight_dtype", f"one of {ROUTER_WEIGHT_DTYPES}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Family-independent description of a decoder-only checkpoint.
@@ -331,6 +379,7 @@ class ModelConfig:
         final_logit_softcapping: the same transform on the output logits (Gemma 2).
         local_rope: rotary parameters of sliding-window layers when they differ from
             `rope` (Gemma 3's rope_local_base_freq); None: every layer uses `rope`.
+        moe: the mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE); None: dense.
         generation_config: generation_config.json as read (not hashed or compared).
     """
 
@@ -363,6 +412,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     local_rope: RopeConfig | None = None
+    moe: MoEConfig | None = None
     generation_config: Mapping[str, Any] = dataclasses.field(
         default_factory=dict, compare=False, hash=False
     )
@@ -410,6 +460,14 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (not is_int(window) or window <= 0):
             raise ValueError(f"sliding_window={window!r} must be positive or None")
+        if self.moe is not None:
+            if not isinstance(self.moe, MoEConfig):
+                fail(self, "moe", "a MoEConfig or None")
+            if len(self.moe.sparse_layers) != self.num_hidden_layers:
+                raise ValueError(
+                    f"moe.sparse_layers has {len(self.moe.sparse_layers)} entries; it must "
+                    f"have num_hidden_layers={self.num_hidden_layers}"
+                )
 
     def check_domains(self) -> None:
         """Rejects values that would run but compute NaN or nonsense (eps <= 0, NaN caps)."""
@@ -474,7 +532,13 @@ class ModelConfig:
                 data[name] = RopeConfig(**data[name])
         for name in ("layer_types", "eos_token_ids"):
             data[name] = tuple(data.get(name) or ())
+        if data.get("moe") is not None:
+            data["moe"] = MoEConfig(**data["moe"])
         return cls(**data)
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        """True when layer `layer_idx`'s MLP is a mixture of experts."""
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
 
 
 def read_rope(

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from paged_jax.models.config import ConfigFileError, ModelConfig, canonical_dtype
 from paged_jax.models.decoder import CausalLM
 from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
+from paged_jax.models.moe import set_expert_mesh
 from paged_jax.models.partitioning import (
     param_shardings,
     tensor_parallel_config,
@@ -185,7 +186,8 @@ def fill_params(
             return jnp.asarray(value, dtype=dtype)
 
     expected_paths = {path for path, _ in nnx.to_flat_state(state)}
-    table_paths = [rule.param_path for rule in rules]
+    # A whole-param rule counts once; a stacked param's rules once together.
+    table_paths = [rule.param_path for rule in rules if rule.stack is None or rule.stack[0] == 0]
     assert set(table_paths) == expected_paths and len(table_paths) == len(expected_paths), (
         "the weight table does not cover the model's params one-to-one: a bug in "
         f"weight_rules (table only: {sorted(set(table_paths) - expected_paths, key=str)}, "
@@ -196,22 +198,43 @@ def fill_params(
     for rule in rules:
         by_name.setdefault(rule.hf_name, []).append(rule)
     pure: dict[Any, Any] = {}
+    # Stacked params (MoE experts): slices gather on the host, placed once all arrived.
+    pending: dict[Any, tuple[np.ndarray, set[int]]] = {}
+
+    def put(param_path: Any, converted: Any) -> None:
+        node = pure
+        for part in param_path[:-1]:
+            node = node.setdefault(part, {})
+        node[param_path[-1]] = converted
+
     for name, name_rules in by_name.items():
         array = read(name)
         for rule in name_rules:
+            path_name = ".".join(map(str, rule.param_path))
             try:
                 value = np.asarray(rule.transform(array))
-                converted = place(rule.param_path, value)
+                if rule.stack is None:
+                    converted = place(rule.param_path, value)
             except (ValueError, TypeError) as err:
                 raise ValueError(
                     f"tensor {name!r} ({array.dtype}{list(array.shape)}) cannot be converted "
-                    f"to {dtype} for {'.'.join(map(str, rule.param_path))}: {err}"
+                    f"to {dtype} for {path_name}: {err}"
                 ) from err
-            assert value.shape == shapes[rule.param_path], f"bad transform for {name}"
-            node = pure
-            for part in rule.param_path[:-1]:
-                node = node.setdefault(part, {})
-            node[rule.param_path[-1]] = converted
+            if rule.stack is None:
+                assert value.shape == shapes[rule.param_path], f"bad transform for {name}"
+                put(rule.param_path, converted)
+                continue
+            index, count = rule.stack
+            assert (count, *value.shape) == shapes[rule.param_path], f"bad stack for {name}"
+            if rule.param_path not in pending:
+                pending[rule.param_path] = (np.empty((count, *value.shape), value.dtype), set())
+            buffer, filled = pending[rule.param_path]
+            buffer[index] = value
+            filled.add(index)
+            if len(filled) == count:
+                put(rule.param_path, place(rule.param_path, buffer))
+                del pending[rule.param_path]
+    assert not pending, f"stacked params missing slices (a bug in weight_rules): {list(pending)}"
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
 
@@ -346,6 +369,8 @@ def load_model(
         file = checkpoint.file_of(names[key.group(1)]) if key and key.group(1) in names else path
         raise ValueError(f"{err} (weights file {file})") from err
     warn_casts(casts, dtype)
+    if mesh is not None:
+        set_expert_mesh(model, mesh)
     if kv_scales is not None:  # used when the engine's kv_cache_dtype is fp8
         model.kv_cache_scales = as_scale_pairs(kv_scales)
     return model

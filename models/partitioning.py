@@ -8,6 +8,8 @@ name per array dimension. Logical axes, and what they mean on a 1-D mesh of N de
                 heads are first repeated at load time so every device owns whole heads
     "mlp"       MLP hidden units (gate/up/fc_in columns, down/fc_out rows)
     "vocab"     vocabulary rows of the embedding, columns of the LM head
+    "experts"   the leading axis of a MoE layer's stacked expert weights f[E, ...]:
+                each device owns E/N whole experts (expert parallelism, models/moe.py)
     None        replicated
 
 Megatron style: q/k/v and gate/up (fc_in) are column-parallel, o and down (fc_out)
@@ -35,7 +37,7 @@ from paged_jax.models.config import ModelConfig
 from paged_jax.models.weights import WeightRule
 
 TP_AXIS = "tp"  # the name of the one mesh axis tensor parallelism splits over
-LOGICAL_AXES = ("heads", "kv_heads", "mlp", "vocab")
+LOGICAL_AXES = ("heads", "kv_heads", "mlp", "vocab", "experts")
 
 # (regex searched in "a/b/0/c", logical axis per dimension); the first match wins.
 PartitionRules = tuple[tuple[str, tuple[str | None, ...]], ...]
@@ -61,6 +63,15 @@ GATED_MLP_RULES: PartitionRules = (
     (r"mlp/(gate|up)_proj/bias$", ("mlp",)),
     (r"mlp/down_proj/kernel$", ("mlp", None)),
     (r"mlp/down_proj/bias$", (None,)),
+)
+# Mixture of experts: experts split whole over the devices, the router replicated, the
+# shared expert (Qwen2-MoE) split like a dense gated MLP; dense layers keep GATED_MLP_RULES.
+MOE_RULES: PartitionRules = (
+    (r"mlp/router/kernel$", (None, None)),
+    (r"mlp/experts/(gate|up|down)_proj$", ("experts", None, None)),
+    (r"shared_expert/(gate|up)_proj/kernel$", (None, "mlp")),
+    (r"shared_expert/down_proj/kernel$", ("mlp", None)),
+    (r"shared_expert_gate/kernel$", (None, None)),
 )
 PLAIN_MLP_RULES: PartitionRules = (
     (r"mlp/fc_in/kernel$", (None, "mlp")),
@@ -101,6 +112,11 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         raise ValueError(
             f"tensor_parallel_size={tp} must divide num_key_value_heads={kv} or be a "
             f"multiple of it ({config.model_type}): KV heads are split whole or replicated"
+        )
+    if config.moe is not None and config.moe.num_experts % tp:
+        raise ValueError(
+            f"tensor_parallel_size={tp} must divide num_experts={config.moe.num_experts} "
+            f"({config.model_type}): every device owns whole experts"
         )
 
 
@@ -169,8 +185,8 @@ def partition_spec(
         elif ax not in LOGICAL_AXES:
             raise ValueError(f"logical axis {ax!r} must be one of {LOGICAL_AXES} or None")
         elif size % tp:
-            assert ax not in ("heads", "kv_heads"), (
-                "a head dim that tp does not divide reached partition_spec: "
+            assert ax not in ("heads", "kv_heads", "experts"), (
+                "a head or expert dim that tp does not divide reached partition_spec: "
                 "check_tensor_parallel should have refused this config"
             )
             spec.append(None)

@@ -10,9 +10,12 @@ from paged_jax.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from paged_jax.models.gpt2 import GPT2LMHeadModel
 from paged_jax.models.llama import LlamaForCausalLM
 from paged_jax.models.mistral import MistralForCausalLM
+from paged_jax.models.mixtral import MixtralForCausalLM
 from paged_jax.models.opt import OPTForCausalLM
 from paged_jax.models.qwen2 import Qwen2ForCausalLM
+from paged_jax.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_jax.models.qwen3 import Qwen3ForCausalLM
+from paged_jax.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     cls.model_type: cls
@@ -25,6 +28,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
         Qwen3ForCausalLM,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
+        MixtralForCausalLM,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeForCausalLM,
     )
 }
 

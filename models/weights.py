@@ -34,12 +34,16 @@ class WeightRule:
         param_path: path of the nnx.Param in the model, e.g. ("layers", 0, "attn", "q_proj",
             "kernel").
         transform: maps the checkpoint array to the param's layout (transpose, column slice).
+        stack: (index, count): the tensor is slice `index` of a param stacked from `count`
+            tensors along a new leading axis (one MoE expert of f[E, ...]); None: the
+            tensor is the whole param.
     """
 
     hf_name: str
     hf_shape: tuple[int, ...]
     param_path: ParamPath
     transform: Callable[[np.ndarray], np.ndarray] = _identity
+    stack: tuple[int, int] | None = None
 
 
 def torch_linear(
@@ -80,3 +84,18 @@ def norm(hf_prefix: str, path: ParamPath, dim: int, *, bias: bool) -> list[Weigh
 def embedding(hf_name: str, path: ParamPath, rows: int, dim: int) -> list[WeightRule]:
     """nn.Embedding weight f[rows, dim] -> nnx.Embed embedding f[rows, dim]."""
     return [WeightRule(hf_name, (rows, dim), (*path, "embedding"))]
+
+
+def stacked_torch_linears(
+    hf_prefixes: list[str], path: ParamPath, in_dim: int, out_dim: int
+) -> list[WeightRule]:
+    """One torch nn.Linear per expert (weight f[out, in], no bias) -> one param f[E, in, out].
+
+    The experts' weights become a single stacked array, so a grouped matmul takes them
+    as one operand and expert parallelism splits its leading axis.
+    """
+    count = len(hf_prefixes)
+    return [
+        WeightRule(f"{prefix}.weight", (out_dim, in_dim), path, _transpose, stack=(e, count))
+        for e, prefix in enumerate(hf_prefixes)
+    ]

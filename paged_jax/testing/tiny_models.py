@@ -10,7 +10,21 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt", "qwen3", "gemma2", "gemma3_text")
+FAMILIES = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "gpt2",
+    "opt",
+    "qwen3",
+    "gemma2",
+    "gemma3_text",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+# The mixture-of-experts families (a subset of FAMILIES).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # Tiny shapes: hidden 64, 2 layers, 4 query heads / 2 KV heads where the family has GQA.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
@@ -75,6 +89,32 @@ TINY_CONFIGS["gemma3_text"] = dict(
     },
 )
 
+# Mixture of experts: 8 experts, top-2, expert width 32 (the dense tiny MLP's 128 split
+# four ways); hidden 64, 2 layers, 4 heads / 2 KV heads as the dense tiny models.
+TINY_CONFIGS["mixtral"] = dict(
+    TINY_CONFIGS["llama"], intermediate_size=32, num_local_experts=8, num_experts_per_tok=2
+)
+# Qwen2-MoE: the shared expert (width 48, sigmoid-gated), q/k/v biases, renormalised top-k.
+TINY_CONFIGS["qwen2_moe"] = dict(
+    TINY_CONFIGS["llama"],
+    bos_token_id=None,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+)
+# Qwen3-MoE: q/k norms, head_dim 32 != hidden / heads, raw (unnormalised) top-k weights.
+TINY_CONFIGS["qwen3_moe"] = dict(
+    TINY_CONFIGS["llama"],
+    head_dim=32,
+    bos_token_id=None,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=False,
+)
+
 
 def config_class(family: str):
     import transformers
@@ -88,6 +128,9 @@ def config_class(family: str):
         "qwen3": transformers.Qwen3Config,
         "gemma2": transformers.Gemma2Config,
         "gemma3_text": transformers.Gemma3TextConfig,
+        "mixtral": transformers.MixtralConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
 
 

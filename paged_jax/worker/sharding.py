@@ -3,6 +3,9 @@
     devices 0..N-1 on one mesh axis "tp"
     weights   split by the family's partition rules (paged_jax.models.partitioning);
               XLA's SPMD partitioner inserts the all-reduces of the dense layers
+    experts   MoE layers' stacked experts split whole over "tp"; each device runs its
+              experts on the replicated tokens inside shard_map, then one psum
+              (paged_jax.models.moe)
     KV caches f[num_blocks, num_kv_heads, block_size, head_dim], split on num_kv_heads
     kernels   write_kv / ragged attention run per device inside shard_map on its heads;
               slot mapping, block tables and lengths are replicated: one block table
@@ -25,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import pallas_kernels
+from paged_jax.models.moe import set_expert_mesh
 from paged_jax.models.partitioning import (
     TP_AXIS,
     kv_repeat_transform,
@@ -116,7 +120,9 @@ def shard_model(model: Any, mesh: Mesh) -> tuple[Any, list[str]]:
             node = node.setdefault(part, {})
         node[path[-1]] = jax.device_put(value, shardings[path])
     nnx.replace_by_pure_dict(new_state, pure)
-    return nnx.merge(graphdef, new_state), fallbacks
+    sharded = nnx.merge(graphdef, new_state)
+    set_expert_mesh(sharded, mesh)  # MoE layers run their experts per device
+    return sharded, fallbacks
 
 
 def sharded_attention_ops(ops: pallas_kernels.AttentionOps, mesh: Mesh) -> Any:

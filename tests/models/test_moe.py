@@ -1,0 +1,239 @@
+"""Mixture-of-experts families: logits parity with transformers, routing edge cases, the
+grouped expert matmul against a per-token loop, expert-parallel parts summing to the whole,
+and the engine's greedy tokens against transformers' (chunked prefill, prefix caching,
+preemption, fp8 KV cache). Multi-device runs are in tests/worker/test_tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.models import load_model
+from paged_jax.models.config import MoEConfig
+from paged_jax.models.moe import expert_forward, route, sort_by_expert
+from paged_jax.testing.tiny_models import MOE_FAMILIES
+
+F32_ATOL = 1e-4
+PROMPT_LENGTHS = (3, 17)
+
+
+def max_diff_vs_hf(model, path, hf_logits, *, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for length in PROMPT_LENGTHS:
+        ids = rng.integers(0, model.config.vocab_size, size=(2, length), dtype=np.int32)
+        worst = max(worst, float(np.abs(np.asarray(model(ids)) - hf_logits(path, ids)).max()))
+    return worst
+
+
+@pytest.mark.parametrize(
+    "family,overrides,sparse",
+    [
+        ("mixtral", {}, (True, True)),
+        ("qwen2_moe", {}, (True, True)),
+        ("qwen3_moe", {}, (True, True)),
+        # Layer 0 dense (intermediate_size 128), layer 1 sparse with the shared expert.
+        ("qwen2_moe", dict(decoder_sparse_step=2), (False, True)),
+        ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=True), (True, False)),
+    ],
+    ids=["mixtral", "qwen2_moe", "qwen3_moe", "qwen2_moe-sparse-step-2", "qwen3_moe-mlp-only-1"],
+)
+def test_moe_logits_match_transformers(family, overrides, sparse, tiny_hf_checkpoint, hf_logits):
+    path = tiny_hf_checkpoint(family, **overrides)
+    model = load_model(path)
+    assert model.config.model_type == family
+    assert model.config.moe.sparse_layers == sparse
+    assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL
+
+
+def _skewed_copy(src, dst, family: str):
+    """A copy whose router sends every token to expert 0 and none to expert E-1.
+
+    Hidden unit 0 of every token embedding is set large, so after the norms it dominates
+    each token's hidden state with one sign; router column 0 then favours expert 0 and
+    disfavours the last expert for every token.
+    """
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["model.embed_tokens.weight"][:, 0] = 8.0
+    block = "block_sparse_moe" if family == "mixtral" else "mlp"
+    for layer in range(2):
+        router = tensors[f"model.layers.{layer}.{block}.gate.weight"]  # [E, D]
+        router[0, 0], router[-1, 0] = 4.0, -4.0
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_one_hot_expert_and_idle_expert_match_transformers(
+    family, tiny_hf_checkpoint, hf_logits, tmp_path
+):
+    path = _skewed_copy(tiny_hf_checkpoint(family), tmp_path / family, family)
+    model = load_model(path)
+    ids = np.random.default_rng(1).integers(0, 128, size=(2, 17), dtype=np.int32)
+    # The routing of the first MoE layer, from its input as the model computes it.
+    layer = model.layers[0]
+    x = model.embed(jnp.asarray(ids), jnp.broadcast_to(jnp.arange(17), ids.shape))
+    h = x + layer.attn(layer.attn_norm(x), jnp.broadcast_to(jnp.arange(17), ids.shape))
+    moe = layer.mlp
+    _, experts = route(
+        moe.router(layer.mlp_norm(h)), moe.top_k, norm_topk_prob=True, weight_dtype="model"
+    )
+    experts = np.asarray(experts)
+    assert (experts == 0).any(-1).all(), "every token should pick expert 0"
+    assert not (experts == moe.experts.gate_proj.shape[0] - 1).any(), "the last expert idles"
+    assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL
+
+
+def _loop_reference(x, weights, experts, gate, up, down):
+    """Per token, per chosen expert: the MLP of the dense definition (numpy)."""
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t], experts[t]):
+            h = x[t] @ gate[e]
+            h = h / (1 + np.exp(-h)) * (x[t] @ up[e])
+            out[t] += w * (h @ down[e])
+    return out
+
+
+def test_grouped_matmul_equals_per_token_loop_and_shards_sum_to_whole():
+    rng = np.random.default_rng(0)
+    t, d, f, e, k = 13, 8, 6, 8, 2
+    x = rng.normal(size=(t, d)).astype(np.float32)
+    gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(e, f, d)).astype(np.float32)
+    # Expert 3 gets most tokens, expert 5 none.
+    experts = np.stack([np.full(t, 3), rng.choice([0, 1, 2, 4, 6, 7], t)], -1).astype(np.int32)
+    weights = rng.uniform(size=(t, k)).astype(np.float32)
+    static = dict(hidden_act="silu", precision=jax.lax.Precision.HIGHEST)
+    whole = np.asarray(expert_forward(x, weights, experts, gate, up, down, **static))
+    np.testing.assert_allclose(
+        whole, _loop_reference(x, weights, experts, gate, up, down), atol=1e-4
+    )
+    plan = sort_by_expert(jnp.asarray(experts), e)
+    assert (
+        np.asarray(plan.group_sizes).tolist() == np.bincount(experts.ravel(), minlength=e).tolist()
+    )
+    # Expert parallelism: 4 devices of 2 experts each; their parts add up to the whole.
+    parts = [
+        np.asarray(
+            expert_forward(
+                x,
+                weights,
+                experts,
+                gate[2 * j : 2 * j + 2],
+                up[2 * j : 2 * j + 2],
+                down[2 * j : 2 * j + 2],
+                first_expert=2 * j,
+                **static,
+            )
+        )
+        for j in range(4)
+    ]
+    np.testing.assert_allclose(sum(parts), whole, atol=1e-4)
+    # Padding rows (any ids, any weights) leave the real rows unchanged.
+    pad = 5
+    padded = expert_forward(
+        np.concatenate([x, rng.normal(size=(pad, d)).astype(np.float32)]),
+        np.concatenate([weights, np.ones((pad, k), np.float32)]),
+        np.concatenate([experts, np.full((pad, k), 3, np.int32)]),
+        gate,
+        up,
+        down,
+        **static,
+    )
+    np.testing.assert_array_equal(np.asarray(padded)[:t], whole)
+
+
+def test_router_semantics_per_family():
+    logits = jnp.asarray([[1.0, 3.0, 2.0, 0.0]], jnp.bfloat16)
+    probs = np.exp([1.0, 3.0, 2.0, 0.0]) / np.exp([1.0, 3.0, 2.0, 0.0]).sum()
+    raw, ids = route(logits, 2, norm_topk_prob=False, weight_dtype="model")
+    assert np.asarray(ids).tolist() == [[1, 2]] and raw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(raw, np.float32), [probs[[1, 2]]], rtol=1e-2)
+    normed, _ = route(logits, 2, norm_topk_prob=True, weight_dtype="float32")
+    assert normed.dtype == jnp.float32  # Mixtral keeps float32 weights
+    np.testing.assert_allclose(np.asarray(normed), [probs[[1, 2]] / probs[[1, 2]].sum()], rtol=1e-6)
+
+
+def test_moe_config_rejects_bad_fields():
+    good = dict(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        norm_topk_prob=True,
+        sparse_layers=(True,),
+    )
+    with pytest.raises(
+        ValueError, match=r"MoEConfig.num_experts_per_tok=5 must be <= num_experts=4"
+    ):
+        MoEConfig(**{**good, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match=r"MoEConfig.router_weight_dtype='f16' must be one of"):
+        MoEConfig(**good, router_weight_dtype="f16")
+
+
+# Engine runs: one (num_tokens, num_seqs) bucket, so each LLM compiles its step once.
+SMALL = dict(
+    block_size=4,
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=64,
+    attention_backend="reference",
+)
+MAX_NEW = 6
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    shared = rng.integers(3, 128, 12).tolist()  # 3 full blocks: a prefix-cache hit
+    return [
+        shared + rng.integers(3, 128, 3).tolist(),
+        rng.integers(3, 128, 9).tolist(),
+        shared + rng.integers(3, 128, 5).tolist(),
+        rng.integers(3, 128, 30).tolist(),  # > 16 tokens: prefilled in chunks
+    ]
+
+
+@pytest.mark.parametrize(
+    "family,engine,check",
+    [
+        ("mixtral", dict(enable_prefix_caching=False), "chunked"),
+        ("qwen2_moe", dict(enable_prefix_caching=True), "prefix"),
+        ("qwen3_moe", dict(num_kv_blocks=16, preemption_mode="recompute"), "preempt"),
+    ],
+)
+def test_engine_greedy_equals_transformers(family, engine, check, tiny_hf_checkpoint, hf_greedy):
+    path = tiny_hf_checkpoint(family)
+    prompts = _prompts()
+    llm = LLM(str(path), **SMALL, **engine)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [hf_greedy(path, p, MAX_NEW) for p in prompts]
+    stats = llm.get_stats()
+    assert stats["num_compiles_after_warmup"] == 0
+    if check == "prefix":
+        assert stats["prefix_cache_hits"] > 0
+    if check == "preempt":
+        assert stats["num_preemptions"] > 0
+
+
+def test_fp8_kv_cache_serves_moe(tiny_hf_checkpoint, hf_logits):
+    """fp8 e4m3 KV: the first token's logprobs stay near transformers' (the dense
+    families' bound, tests/engine/test_kv_cache_dtype.py)."""
+    path = tiny_hf_checkpoint("qwen2_moe")
+    llm = LLM(str(path), kv_cache_dtype="fp8_e4m3", warmup=False, **SMALL)
+    assert llm.engine.runner.kv_caches[0][0].dtype == jnp.float8_e4m3fn
+    prompts = _prompts()[1:2]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        ref = hf_logits(path, np.asarray([prompt]))[0, -1].astype(np.float64)
+        ref = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+        for token, logprob in out.outputs[0].logprobs[0].items():
+            assert abs(logprob.logprob - ref[token]) < 0.5, token
