@@ -26,6 +26,21 @@ def _assert_continues(got: np.ndarray, ref: list[int]) -> None:
     assert len(ref) >= 1 and got.tolist()[: len(ref)] == ref, (got.tolist(), ref)
 
 
+def _count_compiles() -> list[float]:
+    """A list that every XLA backend compile in this process appends to from now on (the
+    engine's counter needs a Runner; this test has none)."""
+    import jax
+
+    seen: list[float] = []
+
+    def on_event(name: str, duration: float, **_kwargs) -> None:
+        if name == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    return seen
+
+
 def _batch(step, rows, token_lists, accepted, block_ids, temperature):
     from paged_jax.spec_decode.proposer import ProposalBatch, ProposalSampling
 
@@ -68,7 +83,7 @@ def test_draft_proposals_equal_greedy_after_catch_up_and_rejection(tiny_hf_check
     proposer = DraftModelProposer(spec, ProposerContext(config, vocab_size=128))
     proposer.initialize(config.num_kv_blocks)
     proposer.warmup()
-    compiles = proposer.num_compiles
+    compiles = _count_compiles()
 
     batch = InputBatch(config)
     rng = np.random.default_rng(0)
@@ -107,7 +122,7 @@ def test_draft_proposals_equal_greedy_after_catch_up_and_rejection(tiny_hf_check
     q = np.asarray(got2.draft_probs)[1]
     assert (q[np.arange(K), got2.token_ids[1]] > 0).all() and (q > 0).sum() > K
     assert proposer.propose(again).token_ids.tolist() == got2.token_ids.tolist()
-    assert proposer.num_compiles == compiles, "a draft call compiled after warm-up"
+    assert len(compiles) == 0, "a draft call compiled after warm-up"
 
     # Near max_model_len the proposals stop at the last position.
     near = [list(range(3, 3 + MAX_LEN - 1))]
