@@ -28,6 +28,7 @@ from paged_jax.constants import (
     is_int,
     is_number,
 )
+from paged_jax.spec_decode.proposer import SpeculativeConfig
 
 
 def _power_of_two_buckets(smallest: int, largest: int, coarse_up_to: int = 0) -> tuple[int, ...]:
@@ -102,6 +103,11 @@ class EngineConfig:
             process's schedule every this many steps (and at every step that admits
             requests; every step under validate): a divergence stops every process with
             LockstepError before its step runs.
+        speculative_config: speculative decoding (docs/speculative_decoding.md): None
+            (off), a SpeculativeConfig or vLLM's dict, e.g. {"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+            or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}.
+            Steps then run synchronously (async_scheduling gives the same outputs).
     """
 
     block_size: int = 16
@@ -127,6 +133,7 @@ class EngineConfig:
     distributed_process_id: int | None = None
     distributed_heartbeat_timeout_s: int = 30
     lockstep_check_interval: int = 16
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -195,6 +202,16 @@ class EngineConfig:
         for name in ("distributed_heartbeat_timeout_s", "lockstep_check_interval"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(self, name, "an int >= 1")
+        spec = self.speculative_config
+        if spec is not None and not isinstance(spec, SpeculativeConfig | dict):
+            fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.coerce(spec))
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """k, the drafts a step verifies per sequence (0: no speculative decoding)."""
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -37,6 +37,15 @@ from paged_jax.outputs import EngineOutput, LogprobEntry, RankEntry, logprob_ent
 from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
 from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.spec_decode.proposer import (
+    Proposal,
+    ProposalBatch,
+    ProposalSampling,
+    Proposer,
+    ProposerContext,
+    build_proposer,
+    check_proposal,
+)
 from paged_jax.structured_outputs import GrammarCompiler, Matcher
 from paged_jax.worker.executable_cache import (
     ExecutableCache,
@@ -246,6 +255,11 @@ class Engine:
                 f"EngineConfig.max_model_len={config.max_model_len!r} must be <= the model's "
                 f"max_position_embeddings={limit}"
             )
+        # Speculative decoding: proposals for step t + 1 need step t's tokens on the host,
+        # so steps run synchronously (async_scheduling=True gives the same outputs).
+        self.async_scheduling_requested = config.async_scheduling
+        if config.speculative_config is not None and config.async_scheduling:
+            config = dataclasses.replace(config, async_scheduling=False)
         self.config = config
         self.model_config = mcfg
         self.vocab_size = int(mcfg.vocab_size)
@@ -268,7 +282,20 @@ class Engine:
             else None
         )
         self.warmup_report: WarmupReport | None = None
-        self.runner = Runner(model, config, owns_model=owns_model)
+        self.proposer: Proposer | None = None
+        if config.speculative_config is not None:
+            context = ProposerContext(config, self.vocab_size, model, config.dtype)
+            self.proposer = build_proposer(config.speculative_config, context)
+        self.runner = Runner(
+            model,
+            config,
+            owns_model=owns_model,
+            extra_kv_bytes_per_block=(
+                0 if self.proposer is None else self.proposer.kv_cache_bytes_per_block()
+            ),
+        )
+        if self.proposer is not None:
+            self.proposer.initialize(self.runner.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.block_size,
@@ -310,13 +337,22 @@ class Engine:
         self._prompt_logprobs: dict[str, PromptLogprobs] = {}
         self._parent_prompt_logprobs: dict[str, PromptLogprobs] = {}
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
-        self._compiles_at_start = self.runner.num_compiles
+        self._compiles_at_start = self._num_compiles()
         self._compiles_after_warmup: int | None = None
         # Structured outputs: the compiler (built on the first constrained request) and
         # the matcher of every live constrained request.
         self._tokenizer = tokenizer
         self._grammar_compiler: GrammarCompiler | None = None
         self._matchers: dict[str, Matcher] = {}
+        # Speculative decoding: the step the proposer reads next, and the counters.
+        k = config.num_speculative_tokens
+        self._spec_k = k
+        self._spec_num_drafts = 0  # sequence-steps that verified at least one draft
+        self._spec_draft_tokens = 0
+        self._spec_accepted_tokens = 0
+        self._spec_drafted_at = np.zeros(k, np.int64)  # drafts proposed at position j
+        self._spec_accepted_at = np.zeros(k, np.int64)  # ... and accepted there
+        self._last_accepted: dict[str, int] = {}  # drafts each row accepted last step
 
     # ------------------------------------------------------------ requests
     @_serialised
@@ -831,7 +867,10 @@ class Engine:
             if out.scheduled:
                 self._record_blocks_per_request(out)
                 c0 = clock()
-                step = self.input_batch.prepare(out.scheduled, out.block_copies)
+                batch = self.input_batch
+                for req_id, drafts in out.spec_token_ids.items():
+                    batch.set_draft_tokens(req_id, drafts)
+                step = batch.prepare(out.scheduled, out.block_copies, out.spec_token_ids)
                 if self._matchers:
                     step = self._with_grammar_bitmask(step, out)
                 rows = targets = prompt = None
@@ -858,8 +897,11 @@ class Engine:
                 wait_s = time.perf_counter() - t_wait
                 c0 = clock()
                 finished += self._process_outputs(ready, result)
+                if self.proposer is not None:
+                    self._propose(step)
                 process_s = clock() - c0
         except BaseException:
+            self.scheduler.spec_token_ids = {}
             self._roll_back(out, cached, previous, finished)
             raise
         if self._prefilling:
@@ -885,6 +927,60 @@ class Engine:
         if self._parent_of:
             finished = self._gather_samples(finished)
         return finished
+
+    def _propose(self, step: StepInput) -> None:
+        """Asks the proposer for the drafts the next step verifies (after this step's
+        tokens are applied): every running request with exactly one token to compute
+        and an input-batch row, constrained requests (structured outputs) excepted."""
+        sched = self.scheduler
+        if sched.trimmed_req_ids:  # rejected drafts' blocks went back: shorten the rows
+            batch = self.input_batch
+            for req_id in sched.trimmed_req_ids:
+                if req_id in batch.row_of:
+                    ids = self.kv_cache_manager.get_block_ids_per_group(req_id)
+                    batch.truncate_block_ids(req_id, [len(g) for g in ids])
+            sched.trimmed_req_ids = []
+        row_of = self.input_batch.row_of
+        reqs = [
+            r
+            for r in sched.running
+            if r.num_tokens - r.num_computed_tokens == 1
+            and r.request_id in row_of
+            and r.request_id not in self._matchers
+        ]
+        # Called with no proposing request too: a draft model still writes its KV for
+        # the step's tokens (prefill chunks), or its later proposals miss them.
+        batch = self.input_batch
+        rows = np.fromiter((row_of[r.request_id] for r in reqs), np.int32, len(reqs))
+        proposal_batch = ProposalBatch(
+            step_input=step,
+            req_ids=[r.request_id for r in reqs],
+            rows=rows,
+            token_ids=[r.all_token_ids for r in reqs],
+            next_token_ids=np.array([r.all_token_ids[-1] for r in reqs], np.int32),
+            next_positions=np.array([r.num_tokens - 1 for r in reqs], np.int32),
+            num_accepted=np.array(
+                [self._last_accepted.get(r.request_id, 0) for r in reqs], np.int32
+            ),
+            block_ids=[self.kv_cache_manager.get_block_ids_per_group(r) for r in reqs],
+            sampling=ProposalSampling(
+                temperature=batch.temperature[rows],
+                top_k=batch.top_k[rows],
+                top_p=batch.top_p[rows],
+                min_p=batch.min_p[rows],
+                seeds=batch.seeds[rows],
+                counters=np.array([r.num_output_tokens for r in reqs], np.int32),
+            ),
+        )
+        proposal: Proposal = self.proposer.propose(proposal_batch)
+        check_proposal(proposal, len(reqs), self._spec_k)
+        if proposal.draft_probs is not None:
+            self.runner.draft_probs = proposal.draft_probs
+        counts = proposal.num_tokens.tolist()
+        ids = proposal.token_ids.tolist()
+        sched.spec_token_ids = {
+            r.request_id: ids[i][: counts[i]] for i, r in enumerate(reqs) if counts[i]
+        }
 
     def _with_grammar_bitmask(self, step: StepInput, out: SchedulerOutput) -> StepInput:
         """The step with its constrained rows' allowed-token bitmask (unchanged when no row
@@ -995,7 +1091,12 @@ class Engine:
         if step.prompt:  # before a request that finishes in this step reports them
             self._record_prompt_logprobs(step, result)
         sched = self.scheduler
-        sampled, broken = self._record_samples(step, result)
+        spec = result.num_emitted is not None
+        if spec:
+            sampled, broken = self._record_spec_samples(step, result)
+            string_stops = self._spec_string_stops(sampled)
+        else:
+            sampled, broken = self._record_samples(step, result)
         refused, grammar_done = self._accept_constrained(sampled) if self._matchers else ((), ())
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         live = sampled
@@ -1005,12 +1106,25 @@ class Engine:
                 done_ids.add(req.request_id)
                 st = self._states[req.request_id]
                 token = sampled[req.request_id]
+                if spec:  # the last token appended is the one that stopped it
+                    token = req.output_token_ids[-1]
+                    if st.logprobs is not None:  # drop entries of tokens after the stop
+                        del st.logprobs[req.num_output_tokens :]
+                        del st.logprob_ranks[req.num_output_tokens :]
                 if (
                     req.status == RequestStatus.FINISHED_STOPPED
                     and token in st.params.stop_token_ids
                 ):
                     st.stop_reason = token
             live = {k: v for k, v in sampled.items() if k not in done_ids}
+        if spec:
+            for req_id, stop in string_stops.items():
+                if req_id in live:
+                    req = sched.requests[req_id]
+                    sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                    self._states[req_id].stop_reason = stop
+                    live.pop(req_id)
+                    done.append(req)
         for req in broken:  # its token is garbage: it ends here, the others go on
             sched.finish_request(
                 req.request_id, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR
@@ -1028,6 +1142,11 @@ class Engine:
                 done.append(req)
         batch = self.input_batch
         row_of = batch.row_of
+        if spec:
+            for req_id, tokens in live.items():
+                if req_id in row_of:
+                    batch.append_token_ids(req_id, tokens)
+            live = {}
         rows = list(map(row_of.get, live))
         tokens = list(live.values())
         if None in rows:  # a request preempted meanwhile has no row
@@ -1069,6 +1188,8 @@ class Engine:
             matcher = self._matchers.get(req_id)
             if matcher is None:
                 continue
+            if type(token) is list:  # speculative engine: a constrained row has no drafts
+                token = token[0]
             if not matcher.accept(token):
                 del sampled[req_id]
                 refused.append((requests[req_id], token))
@@ -1171,6 +1292,91 @@ class Engine:
                 st.logprob_ranks.append(ranks)
         return sampled, broken
 
+    def _record_spec_samples(
+        self, step: InFlightStep, result
+    ) -> tuple[dict[str, list[int]], list[Request]]:
+        """_record_samples for a speculative step: req_id -> its emitted tokens (accepted
+        drafts, then the target's), their logprobs, and the acceptance counters.
+
+        A request with a non-finite position among its emitted ones keeps none of this
+        step's tokens and is returned as broken (it ends with an error).
+        """
+        live_get = self.scheduler.requests.get
+        spec_ids = step.out.spec_token_ids
+        emitted = result.num_emitted.tolist()
+        token_ids = result.token_ids
+        nonfinite = result.nonfinite
+        sampled: dict[str, list[int]] = {}
+        broken = []
+        self._last_accepted = {}
+        for i, (seq, req) in enumerate(zip(step.out.scheduled, step.requests)):
+            if not seq.samples or live_get(seq.req_id) is not req:
+                continue
+            e = emitted[i]
+            if nonfinite is not None and nonfinite[i, :e].any():
+                broken.append(req)
+                continue
+            num_draft = len(spec_ids.get(seq.req_id, ()))
+            if num_draft:
+                accepted = e - 1
+                self._spec_num_drafts += 1
+                self._spec_draft_tokens += num_draft
+                self._spec_accepted_tokens += accepted
+                self._spec_drafted_at[:num_draft] += 1
+                self._spec_accepted_at[:accepted] += 1
+                self._last_accepted[seq.req_id] = accepted
+            sampled[seq.req_id] = token_ids[i, :e].tolist()
+        awaiting = self._awaiting_first_token
+        if awaiting:
+            first = awaiting.intersection(sampled)
+            if first:
+                now = time.time()
+                for req_id in first:
+                    self._states[req_id].first_token_time = now
+                awaiting -= first
+        if self._num_logprobs_live:
+            for i, seq in enumerate(step.out.scheduled):
+                tokens = sampled.get(seq.req_id)
+                st = self._states.get(seq.req_id)
+                if tokens is None or st is None or st.logprobs is None:
+                    continue
+                k = st.params.logprobs
+                for j, token in enumerate(tokens):
+                    entry, ranks = logprob_entry(
+                        token,
+                        float(result.logprobs[i, j]),
+                        int(result.ranks[i, j]),
+                        result.top_token_ids[i, j, :k].tolist(),
+                        result.top_logprobs[i, j, :k].tolist(),
+                    )
+                    st.logprobs.append(entry)
+                    st.logprob_ranks.append(ranks)
+        return sampled, broken
+
+    def _spec_string_stops(self, sampled: dict[str, list[int]]) -> dict[str, str]:
+        """Cuts each emitted list after the token that completes a stop string (in place);
+        returns req_id -> that stop string."""
+        stops = {}
+        if not self._stop_string_ids or self.detokenize is None:
+            return stops
+        requests = self.scheduler.requests
+        for req_id, tokens in sampled.items():
+            if req_id not in self._stop_string_ids:
+                continue
+            st = self._states[req_id]
+            req = requests[req_id]
+            tail = max(map(len, st.params.stop)) + 8
+            for j in range(len(tokens)):
+                if req.num_output_tokens + j + 1 < st.params.min_tokens:
+                    continue
+                text = self.detokenize((req.output_token_ids + tokens[: j + 1])[-tail:])
+                stop = next((x for x in st.params.stop if x in text), None)
+                if stop is not None:
+                    del tokens[j + 1 :]
+                    stops[req_id] = stop
+                    break
+        return stops
+
     def _record_blocks_per_request(self, out) -> None:
         """Peak real blocks held by one request in a decode step (one generated token in).
 
@@ -1268,8 +1474,15 @@ class Engine:
         self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
         if self._lockstep is not None:
             self._lockstep.warmup()
-        self._compiles_after_warmup = self.runner.num_compiles
+        if self.proposer is not None:
+            self.proposer.warmup()
+        self._compiles_after_warmup = self._num_compiles()
         return len(self.warmup_report.programs)
+
+    def _num_compiles(self) -> int:
+        """Backend compiles of the engine's own programs: the runner's and the proposer's."""
+        extra = 0 if self.proposer is None else self.proposer.num_compiles
+        return self.runner.num_compiles + extra
 
     @_serialised
     def reset_peak_stats(self) -> None:
@@ -1297,7 +1510,7 @@ class Engine:
         ``phase_clock`` time.
         """
         stats = self.kv_cache_manager.prefix_cache_stats
-        compiles = self.runner.num_compiles
+        compiles = self._num_compiles()
         total = compiles - self._compiles_at_start
         after = (
             None if self._compiles_after_warmup is None else compiles - self._compiles_after_warmup
@@ -1320,4 +1533,28 @@ class Engine:
             "num_waiting": len(self.scheduler.waiting),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             **self.runner.memory_per_device(),
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters (empty without it)."""
+        if self.proposer is None:
+            return {}
+        drafted = self._spec_drafted_at
+        return {
+            "spec_method": self.config.speculative_config.method,
+            "spec_num_speculative_tokens": self._spec_k,
+            "spec_num_drafts": self._spec_num_drafts,
+            "spec_num_draft_tokens": self._spec_draft_tokens,
+            "spec_num_accepted_tokens": self._spec_accepted_tokens,
+            "spec_acceptance_rate": (
+                self._spec_accepted_tokens / self._spec_draft_tokens
+                if self._spec_draft_tokens
+                else 0.0
+            ),
+            # Of the sequence-steps that proposed a draft at position j, the share that
+            # accepted it.
+            "spec_acceptance_rate_per_position": [
+                float(a / d) if d else 0.0 for a, d in zip(self._spec_accepted_at, drafted)
+            ],
         }

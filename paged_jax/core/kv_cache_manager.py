@@ -472,6 +472,32 @@ class KVCacheManager:
         """
         self.coordinator.free(_request_id(request))
 
+    def free_tail_blocks(self, request: Request | str, num_tokens: int) -> int:
+        """Returns the blocks past the first cdiv(num_tokens, block_size) of every group.
+
+        Speculative decoding's rollback: blocks allocated only for rejected drafts hold
+        no known token, so none is hashed; they go back to the free queue's head (reused
+        first), tail first, as ``free`` returns unhashed blocks.
+
+        Returns:
+            How many blocks were freed (all groups).
+        """
+        request_id = _request_id(request)
+        keep = cdiv(num_tokens, self.block_size)
+        freed = 0
+        for manager in self.coordinator.managers:
+            blocks = manager.req_to_blocks.get(request_id)
+            if not blocks or len(blocks) <= keep:
+                continue
+            tail = blocks[keep:]
+            assert all(b.block_hash is None for b in tail), (
+                "a block past the request's known tokens is hashed: drafts were cached"
+            )
+            del blocks[keep:]
+            self.block_pool.free_blocks(reversed(tail))
+            freed += len(tail)
+        return freed
+
     def fork(
         self, parent_request: Request, child_request: Request, num_tokens: int | None = None
     ) -> int:

@@ -98,6 +98,16 @@ class Scheduler:
         self.errors: dict[str, str] = {}
         self.num_preemptions = 0
         self._forked: list[Request] = []  # children whose rows go out with the next step
+        # Speculative decoding: k, the KV slots held past each request's known tokens for
+        # a proposer's own KV, and the drafts the next schedule() verifies (set by the
+        # engine after each step: req_id -> up to k proposed tokens).
+        self.num_spec_tokens = config.num_speculative_tokens
+        spec = config.speculative_config
+        self.num_lookahead_tokens = 0 if spec is None else spec.num_lookahead_tokens
+        self.spec_token_ids: dict[str, list[int]] = {}
+        # Requests whose block tables lost their tail after a rejection (update_from_output);
+        # the engine shortens their input-batch rows and clears this.
+        self.trimmed_req_ids: list[str] = []
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req: Request) -> None:
@@ -158,6 +168,14 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []  # in schedule order
         reqs: list[Request] = []  # the Request of each entry of seqs
         placeholders = self.config.async_scheduling
+        # Speculative decoding: a decoding request (one token to compute) with drafts
+        # verifies them in the same step: 1 + s tokens, s capped by the budget, max_tokens
+        # and max_model_len (each accepted draft is one more output token). The drafts
+        # are not part of the request's tokens: they are never hashed, and after the
+        # step num_computed_tokens drops back to the accepted length.
+        spec_ids = self.spec_token_ids
+        self.spec_token_ids = {}
+        lookahead = self.num_lookahead_tokens
         # The decode hot loop: every running request, every step. Locals and inlined
         # checks keep it at a few attribute reads per request; a decode token that
         # needs no new block (or exactly one) takes allocate_slots' fast path.
@@ -191,21 +209,34 @@ class Scheduler:
                 num_new = budget
             if num_new <= 0:
                 continue
-            new_blocks = allocate(req, num_new)
+            drafts = spec_ids.get(req.request_id) if spec_ids else None
+            num_draft = 0
+            if drafts and num_new == 1 and not pending:
+                drafts = self._cap_drafts(req, drafts, budget - 1)
+                num_draft = len(drafts)
+            samples = num_computed + num_new == num_tokens + pending
+            num_new += num_draft
+            new_blocks = (
+                allocate(req, num_new, num_lookahead_tokens=lookahead)
+                if lookahead
+                else allocate(req, num_new)
+            )
             if new_blocks is None:
                 while new_blocks is None:
                     victim = self._pick_victim()
                     budget += self._unschedule(victim, seqs, reqs)
                     new_block_ids.pop(victim.request_id, None)
+                    out.spec_token_ids.pop(victim.request_id, None)
                     self._preempt(victim, out)
                     if victim is req:
                         break
-                    new_blocks = allocate(req, num_new)
+                    new_blocks = allocate(req, num_new, num_lookahead_tokens=lookahead)
                 if req.status is not running_status:
                     continue
+            if num_draft:
+                out.spec_token_ids[req.request_id] = drafts
             if new_blocks is not empty and any(new_blocks.blocks):
                 new_block_ids[req.request_id] = new_blocks.get_block_ids()
-            samples = num_computed + num_new == num_tokens + pending
             seqs.append(
                 make_seq(ScheduledSeq, (req.request_id, num_computed, num_new, num_output, samples))
             )
@@ -231,6 +262,17 @@ class Scheduler:
         out.scheduled = seqs
         out.scheduled_requests = reqs
         return out
+
+    def _cap_drafts(self, req: Request, drafts: list[int], room: int) -> list[int]:
+        """The drafts a decoding request can verify now: within the token budget left
+        (room), and such that every accepted draft plus the bonus token stays within
+        max_tokens and max_model_len."""
+        limit = min(room, self.num_spec_tokens, self.max_model_len - req.num_tokens - 1)
+        params = req.sampling_params
+        max_tokens = getattr(params, "max_tokens", None)
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - len(req.output_token_ids) - 1)
+        return list(drafts[: max(limit, 0)])
 
     def _unschedule(self, req: Request, seqs: list[ScheduledSeq], reqs: list[Request]) -> int:
         """Takes a request being preempted back out of this step; returns its tokens."""
@@ -261,7 +303,14 @@ class Scheduler:
                 # Resume from host: fresh blocks for the swapped tokens and the new ones.
                 num_new = min(req.num_tokens - swapped_tokens, budget)
                 req.num_computed_tokens = 0
-                if self.kv.allocate_slots(req, swapped_tokens + num_new) is None:
+                if (
+                    self.kv.allocate_slots(
+                        req,
+                        swapped_tokens + num_new,
+                        num_lookahead_tokens=self.num_lookahead_tokens,
+                    )
+                    is None
+                ):
                     req.num_computed_tokens = swapped_tokens
                     break
                 num_computed = swapped_tokens
@@ -279,6 +328,7 @@ class Scheduler:
                         num_new,
                         num_new_computed_tokens=num_computed,
                         new_computed_blocks=hit_blocks,
+                        num_lookahead_tokens=self.num_lookahead_tokens,
                     )
                     is None
                 ):
@@ -455,6 +505,10 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             elif req.status is not running_status:
                 continue
+            if type(token) is list:  # a speculative row: its accepted drafts and one more
+                if self._apply_spec_tokens(req, token, out, eos_token_ids):
+                    finished.append(req)
+                continue
             req.append_output_token_ids(token)
             # Token-level stops (this loop runs for every sequence of every step).
             params = req.sampling_params
@@ -474,3 +528,51 @@ class Scheduler:
                 self.finish_request(req_id, status)
                 finished.append(req)
         return finished
+
+    def token_stop_status(self, req: Request, token: int, eos_token_ids: tuple[int, ...]):
+        """The FINISHED_* status appending ``token`` (already appended) gives, or None."""
+        params = req.sampling_params
+        if params is not None:
+            num_output = len(req.output_token_ids)
+            if num_output >= params.min_tokens and (
+                (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids
+            ):
+                return RequestStatus.FINISHED_STOPPED
+            if num_output >= params.max_tokens:
+                return RequestStatus.FINISHED_LENGTH
+        if len(req.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _apply_spec_tokens(
+        self,
+        req: Request,
+        tokens: list[int],
+        out: SchedulerOutput,
+        eos_token_ids: tuple[int, ...],
+    ) -> bool:
+        """Appends a verified row's emitted tokens in order, stopping at the first stop.
+
+        Rollback of the rejected drafts: the step computed KV for the token before the
+        drafts and every draft; only the accepted ones count, so num_computed_tokens
+        becomes num_tokens - 1 (the last emitted token is computed next step). Blocks
+        held only for rejected drafts (past num_tokens + lookahead) go back to the pool;
+        drafts were never hashed (allocate_slots caches only over known tokens).
+
+        Returns:
+            True when the request finished (already freed); the tokens after the stop
+            are dropped.
+        """
+        status = None
+        for token in tokens:
+            req.append_output_token_ids(token)
+            status = self.token_stop_status(req, token, eos_token_ids)
+            if status is not None:
+                break
+        if status is not None:
+            self.finish_request(req.request_id, status)
+            return True
+        req.num_computed_tokens = req.num_tokens - 1
+        if self.kv.free_tail_blocks(req, req.num_tokens + self.num_lookahead_tokens):
+            self.trimmed_req_ids.append(req.request_id)
+        return False

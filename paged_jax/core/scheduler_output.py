@@ -72,6 +72,9 @@ class SchedulerOutput:
     # The Request of each entry of `scheduled` (same order), as the scheduler saw them;
     # empty when the output was built by hand (readers then look requests up by id).
     scheduled_requests: list[Request] = dataclasses.field(default_factory=list)
+    # Speculative decoding: req_id -> the drafts this step verifies after the request's
+    # one known token (its ScheduledSeq.num_new_tokens counts them: 1 + len(drafts)).
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

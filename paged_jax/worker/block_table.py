@@ -110,6 +110,13 @@ class BlockTable:
             assert index < self.num_blocks[group][row], "a copy replaced a missing block"
             self.tables[group][row, index] = block_id
 
+    def truncate_row(self, row: int, num_blocks: Sequence[int]) -> None:
+        """Keeps the first num_blocks[g] blocks of the row in each group g (a rollback)."""
+        for table, num, keep in zip(self.tables, self.num_blocks, num_blocks):
+            if keep < num[row]:
+                table[row, keep : num[row]] = NULL_BLOCK_ID
+                num[row] = keep
+
     def clear_row(self, row: int) -> None:
         """Empties the row (its request left the batch)."""
         for table, num in zip(self.tables, self.num_blocks):

@@ -17,6 +17,7 @@ live in a BlockTable), SamplingMetadata, the TokenFeed and the step's StepCopies
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -31,6 +32,7 @@ from paged_jax.worker.block_table import PAD_SLOT_ID, BlockIds, BlockTable
 from paged_jax.worker.step_input import (
     AttentionMetadata,
     SamplingMetadata,
+    SpecDecodeInput,
     StepCopies,
     StepInput,
     TokenFeed,
@@ -68,6 +70,8 @@ class InputBatch:
 
     Args:
         config: the resolved EngineConfig (buckets, max_num_seqs, max_model_len, ...).
+            With speculative decoding (config.num_speculative_tokens = k > 0) every
+            step carries a SpecDecodeInput and k + 1 logits rows per sequence.
         stop_ids_width: K, the most stop ids min_tokens bans per request.
         kv_cache_groups: the model's KV-cache groups (one block table each).
     """
@@ -111,6 +115,7 @@ class InputBatch:
         self._rows_version = 0
         self._rows_sampling_cache: tuple[tuple, _RowsSampling] | None = None
         self._one_to_n = np.arange(1, n + 1, dtype=np.int32)
+        self.num_spec_tokens = config.num_speculative_tokens
 
     # ----------------------------------------------------------------- rows
     def add_request(
@@ -163,6 +168,18 @@ class InputBatch:
         self.token_ids[row, start:end] = token_ids
         self.num_token_ids[row] = end
 
+    def set_draft_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Writes drafts right after the row's known tokens without counting them: the
+        step reads them there as its input tokens, and the penalties as history."""
+        row = self.row_of[req_id]
+        start = int(self.num_token_ids[row])
+        assert start + len(token_ids) <= self.max_model_len, "drafts past max_model_len"
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+
+    def truncate_block_ids(self, req_id: str, num_blocks: Sequence[int]) -> None:
+        """Keeps the first num_blocks[g] block ids of the request's row per group."""
+        self.block_table.truncate_row(self.row_of[req_id], num_blocks)
+
     def replace_block_ids(self, req_id: str, updates: Sequence[tuple[int, int, int]]) -> None:
         """Points table slots at their copy-on-write copies: (group, index, new block id)."""
         self.block_table.replace(self.row_of[req_id], updates)
@@ -206,9 +223,16 @@ class InputBatch:
 
     # ----------------------------------------------------------------- step
     def prepare(
-        self, seqs: Sequence[ScheduledSeq], block_copies: Sequence[tuple[int, int]] = ()
+        self,
+        seqs: Sequence[ScheduledSeq],
+        block_copies: Sequence[tuple[int, int]] = (),
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> StepInput:
-        """Pack the scheduled sequences, in order, and the step's block copies into a StepInput."""
+        """Pack the scheduled sequences, in order, and the step's block copies into a StepInput.
+
+        spec_token_ids: with speculative decoding, req_id -> the drafts the step verifies
+        (written with set_draft_tokens first; their count is in num_new_tokens).
+        """
         cfg = self.config
         num_seqs = len(seqs)
         assert 0 < num_seqs <= cfg.max_num_seqs, "scheduler broke the max_num_seqs budget"
@@ -247,9 +271,10 @@ class InputBatch:
         # A token the host does not have yet (async scheduling: sampled by the step in
         # flight) is read on device from its row's last sample.
         token_rows = np.full(t_pad, -1, np.int32)
-        token_rows[:num_tokens] = np.where(
-            pos >= self.num_token_ids[row_of_token], row_of_token, -1
-        )
+        if not self.num_spec_tokens:  # speculative steps are synchronous: all on the host
+            token_rows[:num_tokens] = np.where(
+                pos >= self.num_token_ids[row_of_token], row_of_token, -1
+            )
         seq_lens = np.zeros(s_pad, np.int32)
         seq_lens[:num_seqs] = computed + num_new
         query_start_loc = np.full(s_pad + 1, num_tokens, np.int32)
@@ -257,6 +282,11 @@ class InputBatch:
         query_start_loc[1 : num_seqs + 1] = cu
         logits_indices = np.zeros(s_pad, np.int32)
         logits_indices[:num_seqs] = cu - 1
+        spec = None
+        if self.num_spec_tokens:
+            spec, logits_indices = self._spec_input(
+                req_ids, rows, cu, num_out, s_pad, spec_token_ids or {}
+            )
         attention = AttentionMetadata(
             slot_mappings=self.block_table.slot_mappings(row_of_token, pos, t_pad),
             block_tables=self.block_table.step_tables(rows, computed, s_pad),
@@ -267,16 +297,59 @@ class InputBatch:
             validate=cfg.validate,
         )
         rows_sampling = self._rows_sampling(rows, s_pad)
+        sampling = self._sampling(rows, num_out, seq_lens, rows_sampling)
+        if spec is not None and sampling.history_lens is not None:
+            # Position 0's history is the known tokens; position j adds drafts[:j].
+            history_lens = seq_lens.copy()
+            history_lens[:num_seqs] = self.num_token_ids[rows]
+            sampling = sampling._replace(history_lens=history_lens)
         return StepInput(
             token_ids=token_ids,
             positions=positions,
             attention=attention,
-            sampling=self._sampling(rows, num_out, seq_lens, rows_sampling),
+            sampling=sampling,
             feed=TokenFeed(token_rows=token_rows, sample_rows=rows_sampling.sample_rows),
             copies=self._copies(block_copies),
             num_tokens=num_tokens,
             num_seqs=num_seqs,
+            spec=spec,
         )
+
+    def _spec_input(
+        self,
+        req_ids: Sequence[str],
+        rows: np.ndarray,
+        cu: np.ndarray,
+        num_out: np.ndarray,
+        s_pad: int,
+        spec_token_ids: dict[str, list[int]],
+    ) -> tuple[SpecDecodeInput, np.ndarray]:
+        """The drafts and the k + 1 logits rows per sequence of a speculative step.
+
+        Sequence s with d drafts ends its tokens with [known, x_1 .. x_d], so its rows
+        cu[s] - 1 - d .. cu[s] - 1 predict positions 0 .. d; later rows repeat the last.
+        """
+        k = self.num_spec_tokens
+        k1 = k + 1
+        num_seqs = len(rows)
+        drafts = np.zeros((s_pad, k), np.int32)
+        num_draft = np.zeros(s_pad, np.int32)
+        for i, req_id in enumerate(req_ids):
+            ids = spec_token_ids.get(req_id)
+            if ids:
+                drafts[i, : len(ids)] = ids
+                num_draft[i] = len(ids)
+        last = np.zeros(s_pad, np.int32)
+        last[:num_seqs] = cu - 1
+        j = np.arange(k1, dtype=np.int32)[None, :]
+        first = last - num_draft
+        logits_indices = np.minimum(first[:, None] + j, last[:, None]).reshape(-1)
+        ban_positions = np.zeros(s_pad, np.int32)
+        ban_positions[:num_seqs] = np.maximum(self.min_tokens[rows] - num_out, 0)
+        spec = SpecDecodeInput(
+            draft_token_ids=drafts, num_draft=num_draft, ban_positions=ban_positions
+        )
+        return spec, logits_indices.astype(np.int32)
 
     def _sampling(
         self,
@@ -300,7 +373,7 @@ class InputBatch:
             masked = padded(self.stop_ids, -1)
             active = np.zeros(s_pad, bool)
             active[:num_seqs] = num_out < self.min_tokens[rows]
-            masked[~active] = -1
+            masked[~active] = -1  # speculative steps: ban_positions limits it further
         else:  # nothing banned: the same all -1 array every step
             masked = rows_sampling.no_masked
         penalties = {}
@@ -394,6 +467,17 @@ class InputBatch:
             token_rows=np.full(t, -1, np.int32),
             sample_rows=np.full(s, len(self.req_of_row), np.int32),
         )
+        spec = None
+        if self.num_spec_tokens:
+            k = self.num_spec_tokens
+            spec = SpecDecodeInput(
+                draft_token_ids=np.zeros((s, k), np.int32),
+                num_draft=np.zeros(s, np.int32),
+                ban_positions=np.zeros(s, np.int32),
+            )
+            attention = dataclasses.replace(
+                attention, logits_indices=np.zeros(s * (k + 1), np.int32)
+            )
         return StepInput(
             token_ids=np.zeros(t, np.int32),
             positions=np.zeros(t, np.int32),
@@ -403,4 +487,5 @@ class InputBatch:
             copies=self._copies(()),
             num_tokens=0,
             num_seqs=0,
+            spec=spec,
         )

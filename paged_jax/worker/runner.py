@@ -51,6 +51,7 @@ from paged_jax.models.layer_scan import (
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
+from paged_jax.worker.rejection_sampler import SpecSamplerOutput, sample_speculative
 from paged_jax.worker.sampling import (
     SamplerOutput,
     TokenLogprobs,
@@ -59,10 +60,19 @@ from paged_jax.worker.sampling import (
     with_fed_last_token,
 )
 from paged_jax.worker.sharding import TensorParallel, per_device_bytes
-from paged_jax.worker.step_input import SamplingMetadata, StepCopies, StepInput, TokenFeed
+from paged_jax.worker.step_input import (
+    SamplingMetadata,
+    SpecDecodeInput,
+    StepCopies,
+    StepInput,
+    TokenFeed,
+)
 from pallas_kernels.layout import max_offset_safe_blocks
 
 logger = logging.getLogger(__name__)
+
+# Speculative methods whose proposals are point masses (no draft distribution).
+POINT_MASS_METHODS = ("ngram",)
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _compile_lock = threading.Lock()
@@ -329,16 +339,19 @@ class PendingStep:
 
     def __init__(
         self,
-        out: SamplerOutput,
+        out: SamplerOutput | SpecSamplerOutput,
         num_seqs: int,
         with_logprobs: bool = True,
         prompt: PendingPromptLogprobs | None = None,
     ):
+        self._spec = isinstance(out, SpecSamplerOutput)
         if with_logprobs:
             for array in out:
                 array.copy_to_host_async()
         else:
             out.token_ids.copy_to_host_async()
+            if self._spec:
+                out.num_emitted.copy_to_host_async()
         self._out = out
         self._num_seqs = num_seqs
         self._with_logprobs = with_logprobs
@@ -348,9 +361,12 @@ class PendingStep:
         """Waits for the step and returns the samples of its real sequences."""
         n = self._num_seqs
         prompt = None if self._prompt is None else self._prompt.result()
+        emitted = np.asarray(self._out.num_emitted)[:n] if self._spec else None
         if not self._with_logprobs:
             token_ids, nonfinite = _split_nonfinite(np.asarray(self._out.token_ids)[:n])
-            return StepResult(token_ids, None, None, None, nonfinite, prompt_logprobs=prompt)
+            return StepResult(
+                token_ids, None, None, None, nonfinite, prompt_logprobs=prompt, num_emitted=emitted
+            )
         out = jax.device_get(self._out)
         token_ids, nonfinite = _split_nonfinite(np.asarray(out.token_ids[:n]))
         return StepResult(
@@ -361,6 +377,7 @@ class PendingStep:
             nonfinite,
             np.asarray(out.ranks[:n]),
             prompt,
+            emitted,
         )
 
 
@@ -383,6 +400,10 @@ class StepResult:
     runner always sets it (all False on a healthy step); None only in a result built
     without a runner. ``prompt_logprobs`` holds the requested prompt rows' next-token
     logprobs (Runner.dispatch's prompt_rows, in that order), else None.
+
+    A speculative step (StepInput.spec) has K1 = k + 1 entries per sequence: the
+    arrays gain a K1 axis after num_seqs, and ``num_emitted[s]`` says how many of
+    sequence s's are real (its accepted drafts, then one token of the target's).
     """
 
     token_ids: np.ndarray  # i32[num_seqs]
@@ -392,6 +413,7 @@ class StepResult:
     nonfinite: np.ndarray | None = None  # bool[num_seqs]
     ranks: np.ndarray | None = None  # i32[num_seqs]; sampled token's 1-based rank
     prompt_logprobs: TokenLogprobs | None = None  # [N] rows asked for
+    num_emitted: np.ndarray | None = None  # i32[num_seqs]; speculative steps only
 
 
 class Runner:
@@ -408,13 +430,23 @@ class Runner:
         owns_model: the caller hands the model over: its per-layer weights are freed
             once stacked for the scan, so they are not held twice (LLM does this for the
             models it loads). False keeps the model usable as it was.
+        extra_kv_bytes_per_block: another cache's bytes per block per device that shares
+            the pool's block ids (a speculative draft model's), counted when the pool is
+            sized from memory.
     """
 
     # The compiled programs warmup() built (None before it): program_key(step) -> that
     # step's program, "copy" -> the block copy's. Dispatch calls these.
     programs: dict[tuple[int, int, bool] | str, Any] | None = None
 
-    def __init__(self, model: PagedModel, config: EngineConfig, *, owns_model: bool = False):
+    def __init__(
+        self,
+        model: PagedModel,
+        config: EngineConfig,
+        *,
+        owns_model: bool = False,
+        extra_kv_bytes_per_block: int = 0,
+    ):
         _install_compile_listener()
         # Backend compiles of this runner's own programs (counting_compiles): its calls
         # count, other code's compiles in the process never do.
@@ -440,7 +472,11 @@ class Runner:
         arrays = kv_block_arrays(model, config.block_size, kv_dtype, tensor_parallel_size=tp)
         if plan is not None:  # one array of num_tensors * num_blocks blocks per K and V
             arrays = sorted({(elems * plan.num_tensors, size) for elems, size in arrays})
-        self.num_kv_blocks = resolve_num_kv_blocks(config, self.bytes_per_block, arrays)
+        # A speculative draft model keeps KV for the same blocks (extra_kv_bytes_per_block
+        # per device), so a pool sized from memory budgets both.
+        self.num_kv_blocks = resolve_num_kv_blocks(
+            config, self.bytes_per_block + int(extra_kv_bytes_per_block), arrays
+        )
         self.num_kv_tensors = 1 if plan is None else plan.num_tensors
         stacked = self.layer_scan
 
@@ -506,6 +542,8 @@ class Runner:
             attention: AttentionMetadata,
             sampling: SamplingMetadata,
             feed: TokenFeed,
+            spec: SpecDecodeInput | None = None,
+            draft_probs: jax.Array | None = None,  # f32[max_num_seqs, k, V] by row
         ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
@@ -522,6 +560,17 @@ class Runner:
                 logits, kv_caches = m.forward_paged(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
                 )
+            if spec is not None:
+                # Speculative steps are synchronous (the host has every token): no feed
+                # fix-up of the history; logits come k + 1 per sequence.
+                q = None
+                if draft_probs is not None:
+                    q = draft_probs[jnp.minimum(feed.sample_rows, draft_probs.shape[0] - 1)]
+                out = sample_speculative(gather(logits), sampling, spec, q)
+                rows = jnp.arange(out.num_emitted.shape[0])
+                last = out.token_ids[rows, out.num_emitted - 1]
+                row_tokens = record_tokens(row_tokens, last, feed.sample_rows)
+                return out, kv_caches, row_tokens, hidden_chunks
             sampling = with_fed_last_token(sampling, token_ids, attention.logits_indices)
             out = sample(gather(logits), sampling)
             row_tokens = record_tokens(row_tokens, out.token_ids, feed.sample_rows)
@@ -538,6 +587,13 @@ class Runner:
 
         if config.validate:  # the kernels' checkify.checks become an error output
             step_fn = checkify.checkify(step_fn)
+        # Speculative decoding with a draft distribution: its q, by input-batch row, is a
+        # step argument (the engine sets it from each Proposal); zeros until then.
+        spec = config.speculative_config
+        self.draft_probs: jax.Array | None = None
+        if spec is not None and spec.method not in POINT_MASS_METHODS:
+            shape = (config.max_num_seqs, spec.num_speculative_tokens, int(model.config.vocab_size))
+            self.draft_probs = jnp.zeros(shape, jnp.float32)
         # Last sampled id per input-batch row: the device half of async scheduling.
         self.row_tokens = init_row_tokens(config.max_num_seqs)
         tp_out = {}
@@ -631,6 +687,8 @@ class Runner:
             step.attention,
             self._with_bitmask(self._with_penalty_inputs(step.sampling, step.attention.seq_lens)),
             step.feed,
+            step.spec,
+            self.draft_probs if step.spec is not None else None,
         )
 
     @counting_compiles
@@ -869,7 +927,7 @@ class Runner:
                 self.programs[program_key(step)] = program
                 out, chunks = self._launch(step)
                 result = PendingStep(out, step.num_seqs).result()
-                assert result.token_ids.shape == (0,), "a padding-only step produced samples"
+                assert result.token_ids.shape[0] == 0, "a padding-only step produced samples"
                 hidden_chunk[:] = chunks[:1]
 
             build(

@@ -24,6 +24,8 @@ __all__ = [
     "SamplingMetadata",
     "TokenLogprobs",
     "apply_penalties",
+    "ban_tokens",
+    "sample_row",
     "sample",
     "token_logprobs",
     "with_fed_last_token",
@@ -85,7 +87,7 @@ def apply_bitmask(logits: jax.Array, words: jax.Array) -> jax.Array:
     return jnp.where((bits != 0) & inside[None, :], logits, -jnp.inf)
 
 
-def _ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
+def ban_tokens(logits: jax.Array, banned: jax.Array) -> jax.Array:
     """Set logits of banned ids to -inf; -1 entries ban nothing."""
     num_rows, vocab = logits.shape
     rows = jnp.broadcast_to(jnp.arange(num_rows)[:, None], banned.shape)
@@ -188,7 +190,7 @@ def _maybe_penalize(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     )
 
 
-def _sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
+def sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
     """Sample one token id from f32[V] logits after temperature, top-k, top-p, min-p."""
     vocab = logits.shape[0]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
@@ -230,13 +232,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         logits = apply_bitmask(logits, meta.bitmask)
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
         allowed = logits
-        banned = _ban_tokens(logits, meta.masked_token_ids)
+        banned = ban_tokens(logits, meta.masked_token_ids)
         # A min_tokens ban of EOS on a row whose grammar allows only EOS leaves nothing:
         # the grammar wins there.
         logits = jnp.where(jnp.isfinite(banned).any(axis=-1, keepdims=True), banned, allowed)
     else:
         raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-        logits = _ban_tokens(logits, meta.masked_token_ids)
+        logits = ban_tokens(logits, meta.masked_token_ids)
     logits = _maybe_penalize(logits, meta)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.PRNGKey(s), c))(
         meta.seeds, meta.counters
@@ -246,7 +248,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     # skips it at run time (both branches are compiled once, so shapes stay static).
     sampled = jax.lax.cond(
         jnp.any(meta.temperature > 0),
-        lambda: jax.vmap(_sample_row)(
+        lambda: jax.vmap(sample_row)(
             logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys
         ),
         lambda: greedy,

@@ -7,6 +7,7 @@
       feed:      TokenFeed                 the async token feed (runner.py)
       copies:    StepCopies                copy-on-write, its own call before the step
                                            (runner.py; skipped when all padding)
+      spec:      SpecDecodeInput | None    speculative decoding's drafts (rejection_sampler.py)
 
 Every group is a pytree (NamedTuples of arrays; AttentionMetadata is registered by
 paged_jax.models.attention), so the runner passes them to the jitted step as they are.
@@ -131,6 +132,20 @@ class TokenFeed(NamedTuple):
     sample_rows: Any  # i32[S]; row that keeps this sequence's sample, >= R = dropped
 
 
+class SpecDecodeInput(NamedTuple):
+    """A speculative step's drafts: k fixed per engine, padded to the num_seqs bucket S.
+
+    Sequence s verifies its num_draft[s] drafts, its step tokens after the first; the
+    step's ``attention.logits_indices`` then holds S * (k + 1) rows, sequence-major:
+    row s * (k + 1) + j is the token whose logits predict position j (the last
+    confirmed token for j = 0, draft j for j >= 1; repeated past num_draft[s]).
+    """
+
+    draft_token_ids: Any  # i32[S, k]; 0 pads
+    num_draft: Any  # i32[S] in [0, k]
+    ban_positions: Any  # i32[S]; positions j < this ban masked_token_ids (min_tokens)
+
+
 class StepCopies(NamedTuple):
     """The step's copy-on-write block copies as device arrays, padded to a fixed width C.
 
@@ -163,6 +178,7 @@ class StepInput:
     copies: StepCopies
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
+    spec: SpecDecodeInput | None = None  # speculative engines: every step carries one
 
     @property
     def bucket(self) -> tuple[int, int]:
