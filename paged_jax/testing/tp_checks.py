@@ -20,6 +20,20 @@ import time
 from typing import Any
 
 
+def expert_bytes_per_device(weights: Any) -> int:
+    """The most bytes of MoE expert weights (params under an ``experts`` path) one device holds."""
+    import jax
+
+    from paged_jax.worker.sharding import per_device_bytes
+
+    leaves = [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(weights)
+        if "experts" in jax.tree_util.keystr(path)
+    ]
+    return max(per_device_bytes(leaves).values(), default=0)
+
+
 def run_one(run: dict[str, Any]) -> dict[str, Any]:
     """Builds the LLM of one run, generates greedy and seeded tokens, returns them + stats."""
     from paged_jax.llm import LLM
@@ -63,6 +77,7 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
                 runner.kv_caches[0][0].addressable_shards[0].data.shape[1]
             ),
             "replicated_fallbacks": [] if runner.tp is None else runner.tp.replicated_fallbacks,
+            "expert_bytes_per_device": expert_bytes_per_device(runner.weights),
             "build_s": build_s,
         },
     }

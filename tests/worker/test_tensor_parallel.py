@@ -52,6 +52,10 @@ RUNS = {
     # hybrid: two KV groups (window 8 / full), soft caps, sandwich norms (window models
     # preempt by recompute only).
     "gemma2": ({}, [(2, "recompute", "reference")]),
+    # Mixture of experts: 8 experts split 4 / 2 per device (expert parallelism on "tp"),
+    # Qwen2-MoE's shared expert split like a dense MLP.
+    "qwen2_moe": ({}, [(2, "swap", "reference"), (4, "recompute", "reference")]),
+    "mixtral": ({}, [(4, "recompute", "reference")]),
 }
 SEEDS = [11, 12, 13]
 
@@ -218,3 +222,16 @@ def test_kv_heads_replicated_when_fewer_than_devices(results):
     assert kv[4] == kv[8] == kv[2] == kv[1] // 2  # the replication's memory cost
     weights = [heads[tp]["weight_bytes_per_device"] for tp in (1, 2, 4, 8)]
     assert weights == sorted(weights, reverse=True)
+
+
+def test_expert_bytes_split_one_over_n(results, checkpoints):
+    """Each device holds 1/N of the stacked expert weights (N=2, 4; the issue allows 5%)."""
+    from paged_jax.models import load_model
+    from paged_jax.testing.tp_checks import expert_bytes_per_device
+
+    for family in ("qwen2_moe", "mixtral"):
+        total = expert_bytes_per_device(nnx.state(load_model(checkpoints[family])))
+        assert total > 0
+        for tp in _runs(family):
+            per_device = results[_name(family, tp)]["stats"]["expert_bytes_per_device"]
+            assert abs(per_device * tp / total - 1) <= 0.05, (family, tp, per_device, total)
