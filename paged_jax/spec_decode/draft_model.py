@@ -84,7 +84,15 @@ class DraftModelProposer:
         self.context = context
         self.engine_config = engine = context.engine_config
         self.k = int(config.num_speculative_tokens)
-        dtype = context.dtype if config.dtype == "auto" else config.dtype
+        dtype = config.dtype
+        if dtype == "auto":  # the target's weights dtype
+            dtype = context.dtype
+        if dtype == "auto" and context.target_model is not None:
+            dtype = str(context.target_model.config.dtype)
+        if dtype == "auto":
+            import jax
+
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         self.draft = load_model(path, dtype=dtype, attention_backend=engine.attention_backend)
         check_draft_model(self.draft, context, str(config.model))
         self.runner: Any = None  # a DraftRunner once initialize() knows the pool size

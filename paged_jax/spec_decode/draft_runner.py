@@ -28,7 +28,6 @@ from flax import nnx
 from paged_jax.config import EngineConfig
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
 from paged_jax.spec_decode.proposer import DRAFT_KEY_TAG
-from paged_jax.worker.input_batch import PAD_SLOT_ID
 from paged_jax.worker.runner import copy_kv_blocks, counting_compiles, feed_tokens
 from paged_jax.worker.step_input import StepInput
 
@@ -160,7 +159,12 @@ class DraftRunner:
         backend = config.attention_backend
         out = {} if replicated is None else dict(out_shardings=replicated)
 
-        def catch_up_fn(weights, kv_caches, row_tokens, token_ids, positions, attention, rows):
+        def catch_up_fn(
+            weights, kv_caches, row_tokens, token_ids, positions, attention, rows, copies
+        ):
+            # The step's copy-on-write copies first, as in the target's cache (padding
+            # entries, dst -1, copy nothing): a block a fork copied holds draft KV too.
+            kv_caches = copy_kv_blocks(kv_caches, copies, attention_backend=backend)
             m = nnx.merge(graphdef, weights)
             token_ids = feed_tokens(row_tokens, token_ids, rows)
             hidden, kv_caches = m.forward_paged_hidden(
@@ -175,10 +179,11 @@ class DraftRunner:
             m = nnx.merge(graphdef, weights)
             num_rows = tokens.shape[0]
             rows = jnp.arange(num_rows, dtype=jnp.int32)
-            seq_positions = jnp.where(active, positions, 0)
-            drafted, dists = [], []
-            for i in range(k):  # unrolled: k is small and fixed per engine
-                pos = seq_positions + i
+            start = jnp.where(active, positions, 0)
+
+            def one_step(carry, i):  # draft token i: one new token per row
+                kv_caches, tokens = carry
+                pos = start + i
                 slot = lookahead_slots(block_table, pos, active, block_size)
                 attention = AttentionMetadata(
                     slot_mappings=(slot,),
@@ -198,16 +203,17 @@ class DraftRunner:
                 keys = draft_keys(sampling.seeds, pos)
                 drawn = jax.vmap(jax.random.categorical)(keys, jnp.log(q)).astype(jnp.int32)
                 tokens = jnp.where(active, drawn, 0)
-                drafted.append(tokens)
-                dists.append(q)
-            return kv_caches, DraftProposal(jnp.stack(drafted, 1), jnp.stack(dists, 1))
+                return (kv_caches, tokens), (tokens, q)
 
-        def copy_fn(kv_caches, copies):
-            return copy_kv_blocks(kv_caches, copies, attention_backend=backend)
+            # A scan: one traced body whatever k (compile time does not grow with k).
+            (kv_caches, _), (drafted, dists) = jax.lax.scan(
+                one_step, (kv_caches, tokens), jnp.arange(k, dtype=jnp.int32)
+            )
+            proposal = DraftProposal(jnp.swapaxes(drafted, 0, 1), jnp.swapaxes(dists, 0, 1))
+            return kv_caches, proposal
 
         self.jitted_catch_up = jax.jit(catch_up_fn, donate_argnums=(1,), **out)
         self.jitted_propose = jax.jit(propose_fn, donate_argnums=(1,), **out)
-        self.jitted_copy = jax.jit(copy_fn, donate_argnums=(0,), **out)
 
     # ------------------------------------------------------------------ calls
     @staticmethod
@@ -226,18 +232,13 @@ class DraftRunner:
             step.positions,
             self.catch_up_attention(step),
             step.feed.token_rows,
+            step.copies,
         )
 
     @counting_compiles
     def catch_up(self, step: StepInput) -> None:
-        """Runs a target step's tokens through the draft, writing its KV at the step's slots.
-
-        The step's copy-on-write copies go first, as in the target's cache, so a block
-        a fork copied holds the draft's KV too.
-        """
-        if np.any(np.asarray(step.copies.dst) != PAD_SLOT_ID):
-            copy = self.programs.get("copy", self.jitted_copy)
-            self.kv_caches = copy(self.kv_caches, step.copies)
+        """Runs a target step's tokens through the draft, writing its KV at the step's slots
+        (after the step's copy-on-write copies, as in the target's cache)."""
         program = self.programs.get(("catch_up", *step.bucket), self.jitted_catch_up)
         self.kv_caches = program(*self.catch_up_args(step))
 
@@ -279,7 +280,7 @@ class DraftRunner:
     @counting_compiles
     def warmup(self, steps: Iterable[StepInput]) -> list[str]:
         """Compiles and runs, on padding (no KV changes), catch_up for every step bucket
-        among ``steps``, the block copy and propose; returns the programs' names."""
+        among ``steps`` and propose; returns the programs' names."""
         names = []
         steps = list(steps)
         for step in steps:
@@ -288,11 +289,6 @@ class DraftRunner:
                 self.programs[key] = self.jitted_catch_up.lower(*self.catch_up_args(step)).compile()
                 self.catch_up(step)
                 names.append(f"draft catch-up tokens={step.bucket[0]} seqs={step.bucket[1]}")
-        if steps and "copy" not in self.programs:
-            copies = steps[0].copies  # all padding: copies nothing
-            self.programs["copy"] = self.jitted_copy.lower(self.kv_caches, copies).compile()
-            self.kv_caches = self.programs["copy"](self.kv_caches, copies)
-            names.append("draft copy")
         if "propose" not in self.programs:
             args = self.padding_propose_args()
             self.programs["propose"] = self.jitted_propose.lower(
