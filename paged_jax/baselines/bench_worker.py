@@ -19,7 +19,8 @@ import sys
 from paged_jax.baselines.workload import WorkloadConfig, make_trace
 
 
-def _build(spec: dict):
+def build_system(spec: dict):
+    """Builds and warms one system from its JSON spec (jax or torch imported here only)."""
     system = spec["system"]
     if system != "hf" and spec.get("compile_cache_dir"):
         # Shared by the sweep's workers: a setting whose step shapes an earlier one
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     spec = json.loads(argv[0])
     trace = make_trace(WorkloadConfig(**spec["workload"]))
-    system = _build(spec)
+    system = build_system(spec)
     ready = {"ready": True, "pid": os.getpid(), "warmup_s": getattr(system, "warmup_s", 0.0)}
     print(json.dumps(ready), flush=True)
     for line in sys.stdin:

@@ -221,13 +221,14 @@ class ContiguousSystem:
         self.model, self.budget_bytes, self.max_model_len = model, budget_bytes, max_model_len
         self.policy, self.max_num_seqs = policy, max_num_seqs
         self.runner = None
-        engine = self._engine()
+        engine = self.new_engine()
         t0 = time.perf_counter()
         self.num_warmup_shapes = engine.runner.warmup()
         self.warmup_s = time.perf_counter() - t0
         self.runner = engine.runner
 
-    def _engine(self) -> ContiguousKVEngine:
+    def new_engine(self) -> ContiguousKVEngine:
+        """A fresh engine (empty address space, no requests) over the compiled runner."""
         from paged_jax.baselines.contiguous_kv import ContiguousKVEngine
 
         return ContiguousKVEngine(
@@ -240,7 +241,7 @@ class ContiguousSystem:
         )
 
     def run(self, trace: list[TraceRequest]) -> SystemResult:
-        engine = self._engine()
+        engine = self.new_engine()
         start = time.perf_counter()
         for r in trace:
             engine.add_request(r)

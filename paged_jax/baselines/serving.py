@@ -1,0 +1,537 @@
+"""Online serving: Poisson arrivals on the wall clock, latency per request, sustained rate.
+
+A driver (`serve_online`) hands each request to a system only once its arrival time has
+passed, steps the system while it has work and sleeps until the next arrival when it
+has none. Latency = finish - arrival, read on the driver's clock when the system's
+step returns the finished request (what a client would see); normalized latency =
+latency / output tokens (the PagedAttention paper's metric, seconds per token). Host
+logic only: jax is imported by the systems the servers wrap, never here.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from paged_jax.baselines.workload import TraceRequest
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:  # f64[n]
+    """Arrival offsets (seconds) of a Poisson process at `rate` requests/s; the first at 0.
+
+    Gaps are exponential with mean 1 / rate, drawn from numpy's seeded generator, so one
+    (num_requests, rate, seed) always gives the same times.
+    """
+    if num_requests < 1:
+        raise ValueError(f"num_requests={num_requests!r} must be >= 1")
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate={rate!r} must be a finite number > 0 (requests per second)")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+class Server(Protocol):
+    """What the driver needs of a serving system (continuous batching inside step())."""
+
+    def add(self, req: TraceRequest) -> None:
+        """Queues an arrived request."""
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        """One scheduling + model step; returns (request id, tokens) of finished requests."""
+
+    def has_unfinished(self) -> bool:
+        """Whether any added request has not been returned by step() yet."""
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV memory now (for the peak batch size)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestRecord:
+    """One served request, times in seconds from the run's start."""
+
+    request_id: str
+    arrival_s: float
+    finish_s: float
+    num_output_tokens: int
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def normalized_latency_s(self) -> float:
+        """Seconds per output token: the end-to-end latency over the output length."""
+        return self.latency_s / self.num_output_tokens
+
+
+@dataclasses.dataclass
+class OnlineRun:
+    """What one online run produced: per-request records, outputs, step counts."""
+
+    records: list[RequestRecord]
+    outputs: dict[str, list[int]]
+    wall_s: float
+    num_steps: int
+    max_running: int
+
+
+def serve_online(
+    server: Server,
+    trace: Sequence[TraceRequest],
+    arrivals: Sequence[float],  # f64[len(trace)], non-decreasing seconds from the start
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
+) -> OnlineRun:
+    """Serves the trace with request i handed to the server once arrivals[i] has passed.
+
+    The invariant: the server never sees a request before its arrival, and the driver
+    never idles while the server has work. A request that arrives during a step waits
+    for that step to end (as it would queue in a real server's input) and its latency
+    still counts from its arrival.
+    """
+    if len(arrivals) != len(trace):
+        raise ValueError(f"len(arrivals)={len(arrivals)} must equal len(trace)={len(trace)}")
+    if any(b < a for a, b in zip(arrivals, arrivals[1:])):
+        raise ValueError("arrivals must be non-decreasing")
+    by_id = {r.request_id: (i, r) for i, r in enumerate(trace)}
+    records: list[RequestRecord] = []
+    outputs: dict[str, list[int]] = {}
+    nxt = num_steps = max_running = 0
+    t0 = clock()
+    while nxt < len(trace) or server.has_unfinished():
+        now = clock() - t0
+        while nxt < len(trace) and arrivals[nxt] <= now:
+            server.add(trace[nxt])
+            nxt += 1
+        if not server.has_unfinished():
+            sleep(max(0.0, float(arrivals[nxt]) - (clock() - t0)))
+            continue
+        finished = server.step()
+        num_steps += 1
+        done = clock() - t0
+        max_running = max(max_running, server.num_running + len(finished))
+        for request_id, tokens in finished:
+            i, req = by_id[request_id]
+            outputs[request_id] = list(tokens)
+            records.append(RequestRecord(request_id, float(arrivals[i]), done, len(tokens)))
+    return OnlineRun(records, outputs, clock() - t0, num_steps, max_running)
+
+
+def serve_unloaded(
+    server: Server,
+    trace: Sequence[TraceRequest],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+) -> OnlineRun:
+    """The rate -> 0 limit: each request arrives when the one before it has finished.
+
+    Every request is served alone, so its latency is the system's unloaded latency
+    (no queueing, no batch to share a step with).
+    """
+    records: list[RequestRecord] = []
+    outputs: dict[str, list[int]] = {}
+    num_steps = 0
+    t0 = clock()
+    for req in trace:
+        arrival = clock() - t0
+        server.add(req)
+        while server.has_unfinished():
+            finished = server.step()
+            num_steps += 1
+            for request_id, tokens in finished:
+                outputs[request_id] = list(tokens)
+                records.append(RequestRecord(request_id, arrival, clock() - t0, len(tokens)))
+    return OnlineRun(records, outputs, clock() - t0, num_steps, 1)
+
+
+def run_metrics(run: OnlineRun) -> dict[str, Any]:
+    """Latency figures of one run (normalized = seconds per output token)."""
+    norm = np.array([r.normalized_latency_s for r in run.records])
+    lat = np.array([r.latency_s for r in run.records])
+    first = min(r.arrival_s for r in run.records)
+    last = max(r.finish_s for r in run.records)
+    return {
+        "num_requests": len(run.records),
+        "num_output_tokens": int(sum(r.num_output_tokens for r in run.records)),
+        "mean_normalized_latency_s": float(norm.mean()),
+        "p50_normalized_latency_s": float(np.percentile(norm, 50)),
+        "p90_normalized_latency_s": float(np.percentile(norm, 90)),
+        "mean_latency_s": float(lat.mean()),
+        "p90_latency_s": float(np.percentile(lat, 90)),
+        "served_requests_per_s": len(run.records) / max(1e-9, last - first),
+        "wall_s": run.wall_s,
+        "num_steps": run.num_steps,
+        "max_running": run.max_running,
+    }
+
+
+def latency_bound(unloaded: dict[str, float], factor: float) -> float:
+    """The common bound: factor x the largest unloaded normalized latency of any system.
+
+    Taking the largest unloaded figure means every system meets the bound when idle, so
+    the rate at which it stops meeting it measures queueing, not a slower step.
+    """
+    if not unloaded:
+        raise ValueError("unloaded must name at least one system's latency")
+    if not factor > 1:
+        raise ValueError(f"factor={factor!r} must be > 1")
+    return factor * max(unloaded.values())
+
+
+def sustained_rate(
+    rates: Sequence[float], latencies: Sequence[float], bound: float
+) -> tuple[float, bool]:
+    """The highest rate whose latency stays <= bound; (rate, True) when never exceeded.
+
+    Points are taken in rate order; between the last point under the bound and the first
+    one over it the rate is interpolated linearly in log latency (latency grows
+    roughly exponentially towards saturation). When the first point is already over,
+    the rate is 0.0. A True flag says the figure is only a lower bound (the grid ended).
+    """
+    if len(rates) != len(latencies) or not rates:
+        raise ValueError(
+            f"rates ({len(rates)}) and latencies ({len(latencies)}) must be equal, non-empty"
+        )
+    pts = sorted(zip(rates, latencies))
+    prev = None
+    for rate, lat in pts:
+        if lat > bound:
+            if prev is None:
+                return 0.0, False
+            r0, l0 = prev
+            frac = (math.log(bound) - math.log(l0)) / (math.log(lat) - math.log(l0))
+            return r0 + frac * (rate - r0), False
+        prev = (rate, lat)
+    return pts[-1][0], True
+
+
+def median_by_rate(points: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """Median of `key` over the repeats at each rate: (rates ascending, medians)."""
+    by: dict[float, list[float]] = {}
+    for p in points:
+        by.setdefault(float(p["rate"]), []).append(float(p[key]))
+    rates = sorted(by)
+    return rates, [statistics.median(by[r]) for r in rates]
+
+
+PAGED = "paged-jax"
+
+
+def system_curves(points: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per system, per rate (ascending): the median, min and max mean normalized latency.
+
+    Args:
+        points: one dict per run with "system", "rate" and "mean_normalized_latency_s".
+    """
+    by: dict[str, dict[float, list[float]]] = {}
+    for p in points:
+        by.setdefault(p["system"], {}).setdefault(float(p["rate"]), []).append(
+            float(p["mean_normalized_latency_s"])
+        )
+    return {
+        name: [
+            {
+                "rate": rate,
+                "median": statistics.median(runs),
+                "min": min(runs),
+                "max": max(runs),
+                "runs": runs,
+            }
+            for rate, runs in sorted(rates.items())
+        ]
+        for name, rates in by.items()
+    }
+
+
+def analyze_curves(
+    curves: dict[str, list[dict[str, Any]]],
+    factor: float,
+    sensitivity: Sequence[float] = (2.0, 8.0),
+) -> dict[str, Any]:
+    """Unloaded latency, the common bound, each system's sustained rate and paged's ratios.
+
+    A system's unloaded latency is its median at its lowest rate (the grid starts where
+    queues stay empty). The bound is `latency_bound(unloaded, factor)`; the same is
+    repeated for the `sensitivity` factors, so a reader sees how much the ratios hang
+    on the choice. A ratio is None when the other system sustains no measured rate, and
+    flagged as a bound when either rate is censored by the grid's end.
+    """
+    unloaded = {name: pts[0]["median"] for name, pts in curves.items()}
+
+    def at(f: float) -> dict[str, Any]:
+        bound = latency_bound(unloaded, f)
+        rates = {}
+        for name, pts in curves.items():
+            rate, censored = sustained_rate(
+                [p["rate"] for p in pts], [p["median"] for p in pts], bound
+            )
+            rates[name] = {"rate": rate, "lower_bound_only": censored}
+        ratios = {}
+        if PAGED in rates:
+            mine = rates[PAGED]
+            for name, other in rates.items():
+                if name == PAGED:
+                    continue
+                ratios[name] = {
+                    "ratio": mine["rate"] / other["rate"] if other["rate"] > 0 else None,
+                    "censored": mine["lower_bound_only"] or other["lower_bound_only"],
+                }
+        return {"factor": f, "bound_s_per_token": bound, "sustained": rates, "paged_over": ratios}
+
+    return {
+        "unloaded_s_per_token": unloaded,
+        "main": at(factor),
+        "sensitivity": [at(f) for f in sensitivity if f != factor],
+    }
+
+
+def plot_latency_curves(
+    curves: dict[str, list[dict[str, Any]]],
+    analysis: dict[str, Any],
+    path: Any,
+    *,
+    title: str,
+    cap_factor: float = 2.5,
+) -> None:
+    """The paper's Figure 12 layout: rate on x, mean normalized latency on y, one curve a
+    system with min-max bars over the repeats, each ending at its first point above the
+    y cap (where it saturated); the bound dashed, sustained rates marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bound = analysis["main"]["bound_s_per_token"]
+    cap = cap_factor * bound
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    styles = {
+        PAGED: ("tab:red", "o"),
+        "orca-oracle": ("tab:blue", "s"),
+        "orca-pow2": ("tab:green", "^"),
+        "orca-max": ("tab:purple", "D"),
+        "contiguous-oracle": ("tab:cyan", "s"),
+        "contiguous-pow2": ("tab:olive", "^"),
+        "contiguous-max": ("tab:pink", "D"),
+    }
+    labels = {
+        PAGED: "paged (vLLM-style)",
+        "orca-oracle": "Orca (Oracle): exact reservation",
+        "orca-pow2": "Orca (Pow2): next power of two",
+        "orca-max": "Orca (Max): max_model_len",
+        "contiguous-oracle": "dense-cache engine, Oracle",
+        "contiguous-pow2": "dense-cache engine, Pow2",
+        "contiguous-max": "dense-cache engine, Max",
+    }
+    for name, pts in curves.items():
+        shown = []
+        for p in pts:
+            shown.append(p)
+            if p["median"] > cap:
+                break
+        color, marker = styles.get(name, ("tab:gray", "x"))
+        xs = [p["rate"] for p in shown]
+        ys = [min(p["median"], cap * 1.05) for p in shown]
+        lo = [y - min(p["min"], cap * 1.05) for p, y in zip(shown, ys)]
+        hi = [min(p["max"], cap * 1.05) - y for p, y in zip(shown, ys)]
+        sustained = analysis["main"]["sustained"][name]
+        more = "+" if sustained["lower_bound_only"] else ""
+        label = f"{labels.get(name, name)}: {sustained['rate']:.2f}{more} req/s"
+        ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker=marker, ms=5, capsize=3, label=label)
+    ax.axhline(bound, color="black", ls="--", lw=1)
+    ax.text(
+        ax.get_xlim()[0], bound, f" bound {analysis['main']['factor']:g}x unloaded",
+        va="bottom", ha="left", fontsize=8,
+    )  # fmt: skip
+    ax.set_ylim(0, cap * 1.08)
+    ax.set_xlim(left=0)
+    ax.set_xlabel("request rate (requests/s)")
+    ax.set_ylabel("mean normalized latency (s/token)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, title="sustained rate under the bound", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- system adapters
+
+
+class PagedServer:
+    """The paged engine (a harness.PagedSystem) behind the Server protocol; greedy, no EOS.
+
+    The prefix cache is reset at construction so no run reuses another run's blocks.
+    """
+
+    def __init__(self, system: Any):
+        self.engine = system.engine
+        self.engine.kv_cache_manager.reset_prefix_cache()
+        stats = self.engine.get_stats()
+        self._start = (self.engine.scheduler.num_preemptions, stats["num_compiles_after_warmup"])
+
+    def add(self, req: TraceRequest) -> None:
+        from paged_jax.sampling_params import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=req.num_output_tokens, ignore_eos=True)
+        self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        return [(o.request_id, o.token_ids) for o in self.engine.step()]
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def extra(self) -> dict[str, Any]:
+        """Preemptions and compiles during this server's run, and the KV peak."""
+        stats = self.engine.get_stats()
+        return {
+            "num_preemptions": self.engine.scheduler.num_preemptions - self._start[0],
+            "num_compiles_after_warmup": stats["num_compiles_after_warmup"] - self._start[1],
+            "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
+        }
+
+
+class ContiguousServer:
+    """A contiguous-KV baseline (a harness.ContiguousSystem) behind the Server protocol.
+
+    Each server owns a fresh engine (empty address space) over the system's compiled
+    runner; its reservation policy applies when a request is admitted, which happens
+    only after the driver added it, i.e. after it arrived.
+    """
+
+    def __init__(self, system: Any):
+        self.engine = system.new_engine()
+
+    def add(self, req: TraceRequest) -> None:
+        self.engine.add_request(req)
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        return [(o.request_id, o.token_ids) for o in self.engine.step()]
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.num_running
+
+    def extra(self) -> dict[str, Any]:
+        return {"kv_utilization": self.engine.kv_utilization, "policy": self.engine.policy}
+
+
+class ReservationServer:
+    """Orca-style admission in front of another server: contiguous reservations, no paging.
+
+    A request enters the inner server only once a contiguous run of token slots sized by
+    the policy (max_model_len, the next power of two of its KV length, or exactly that)
+    fits first-fit in an address space of `budget_tokens`; FCFS with head-of-line
+    blocking, as ContiguousKVEngine admits. The reservation is released when the inner
+    server returns the request. Wrapped around the paged engine (with a pool that never
+    binds) this is the contiguous design on the same compute: one forward per step, the
+    same kernels, so any difference from the paged engine is the memory policy alone.
+
+        space:  |r0 ........|r1 ..|   hole   |r2 ......|   r3 waits for a big enough hole
+    """
+
+    def __init__(self, inner: Server, policy: str, budget_tokens: int, max_model_len: int):
+        from paged_jax.memory_study.allocators import POLICIES, FirstFitSpace
+
+        if policy not in POLICIES:
+            raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+        if max_model_len > budget_tokens:
+            raise ValueError(
+                f"budget_tokens={budget_tokens!r} must hold one max_model_len="
+                f"{max_model_len} reservation"
+            )
+        self.inner, self.policy, self.max_model_len = inner, policy, max_model_len
+        self.space = FirstFitSpace(budget_tokens)
+        self.gate: collections.deque[TraceRequest] = collections.deque()
+        self.starts: dict[str, int] = {}
+        self.max_reserved = 0
+
+    def reservation(self, req: TraceRequest) -> int:
+        """Token slots the policy reserves for the request's K/V (prompt + output - 1)."""
+        from paged_jax.memory_study.allocators import reservation_size
+
+        kv_len = req.num_prompt_tokens + req.num_output_tokens - 1
+        return reservation_size(self.policy, kv_len, self.max_model_len)
+
+    def _admit(self) -> None:
+        while self.gate:
+            start = self.space.alloc(self.reservation(self.gate[0]))
+            if start is None:
+                return  # head-of-line blocking
+            req = self.gate.popleft()
+            self.starts[req.request_id] = start
+            self.inner.add(req)
+        self.max_reserved = max(self.max_reserved, self.space.num_allocated)
+
+    def add(self, req: TraceRequest) -> None:
+        if req.num_prompt_tokens + req.num_output_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.num_prompt_tokens} + "
+                f"{req.num_output_tokens} tokens: must be <= max_model_len={self.max_model_len}"
+            )
+        self.gate.append(req)
+        self._admit()
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        assert self.inner.has_unfinished(), "a gated request waits on an empty space: a leak"
+        finished = self.inner.step()
+        for request_id, _ in finished:
+            self.space.free(self.starts.pop(request_id))
+        self._admit()
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return bool(self.gate) or self.inner.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.inner.num_running
+
+    def extra(self) -> dict[str, Any]:
+        inner = self.inner.extra() if hasattr(self.inner, "extra") else {}
+        return {**inner, "policy": self.policy, "max_reserved_tokens": self.max_reserved}
+
+
+def make_server(system: Any) -> PagedServer | ContiguousServer:
+    """The adapter for a harness system: paged when it has an engine, else contiguous."""
+    return PagedServer(system) if hasattr(system, "engine") else ContiguousServer(system)
+
+
+__all__ = [
+    "PAGED",
+    "analyze_curves",
+    "plot_latency_curves",
+    "system_curves",
+    "ContiguousServer",
+    "OnlineRun",
+    "PagedServer",
+    "RequestRecord",
+    "ReservationServer",
+    "Server",
+    "latency_bound",
+    "make_server",
+    "median_by_rate",
+    "poisson_arrivals",
+    "run_metrics",
+    "serve_online",
+    "serve_unloaded",
+    "sustained_rate",
+]

@@ -1,0 +1,109 @@
+"""One serving system in its own process (scripts/bench_serving.py starts one per system).
+
+    python -m paged_jax.baselines.serving_worker '<json spec>'
+
+Builds and warms the system (as bench_worker does), draws every trace the spec names,
+prints one JSON line {"ready": ...}, then serves one online run per JSON line read from
+stdin ({"op": "serve", "trace": NAME, "rate": R, "seed": S, "unloaded": K}, rate 0: the
+first K requests served one at a time; or {"op": "quit"}), printing
+one JSON line per run: its metrics, its per-request records and its outputs. A waiting
+worker blocks on stdin and uses no CPU, so the others' runs are timed undisturbed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from paged_jax.baselines.bench_worker import build_system
+from paged_jax.baselines.serving import (
+    PagedServer,
+    ReservationServer,
+    Server,
+    make_server,
+    poisson_arrivals,
+    run_metrics,
+    serve_online,
+    serve_unloaded,
+)
+from paged_jax.baselines.workload import (
+    DatasetTraceConfig,
+    TraceRequest,
+    load_jsonl_trace,
+    make_dataset_trace,
+)
+
+
+def build_trace(spec: dict[str, Any]) -> list[TraceRequest]:
+    """A trace spec: DatasetTraceConfig's fields, or {"jsonl": path, ...load_jsonl_trace}."""
+    if "jsonl" in spec:
+        kwargs = dict(spec)
+        return load_jsonl_trace(kwargs.pop("jsonl"), **kwargs)
+    return make_dataset_trace(DatasetTraceConfig(**spec))
+
+
+def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[[], Server]]:
+    """The system and a factory of fresh servers over it (one per run).
+
+    "orca-<policy>" is the paged engine behind a ReservationServer: spec["orca"] holds
+    the engine's keywords (a pool that never binds) and the reservation budget.
+    """
+    name = spec["system"]
+    if not name.startswith("orca-"):
+        system = build_system(spec)
+        return system, lambda: make_server(system)
+    orca = dict(spec["orca"])
+    budget_tokens = orca.pop("reservation_budget_tokens")
+    system = build_system({**spec, "system": "paged", "paged": orca})
+    policy = name.split("-", 1)[1]
+
+    def factory() -> Server:
+        return ReservationServer(PagedServer(system), policy, budget_tokens, orca["max_model_len"])
+
+    return system, factory
+
+
+def serve(
+    new_server: Callable[[], Server],
+    trace: list[TraceRequest],
+    rate: float,
+    seed: int,
+    num_unloaded: int,
+) -> dict[str, Any]:
+    """One online run at `rate`: metrics, per-request (arrival, finish, tokens) and outputs.
+
+    rate 0 is the unloaded run: the trace's first `num_unloaded` requests, one at a time.
+    """
+    server = new_server()
+    if rate == 0:
+        run = serve_unloaded(server, trace[:num_unloaded])
+    else:
+        run = serve_online(server, trace, poisson_arrivals(len(trace), rate, seed))
+    records = [[r.request_id, r.arrival_s, r.finish_s, r.num_output_tokens] for r in run.records]
+    summary = {"rate": rate, "seed": seed, **run_metrics(run), **server.extra()}
+    return {"summary": summary, "records": records, "outputs": run.outputs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    spec = json.loads(argv[0])
+    traces = {name: build_trace(t) for name, t in spec["traces"].items()}
+    system, new_server = build_serving_system(spec)
+    ready = {"ready": True, "pid": os.getpid(), "warmup_s": getattr(system, "warmup_s", 0.0)}
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "quit":
+            break
+        trace = traces[cmd["trace"]]
+        rate, seed = float(cmd["rate"]), int(cmd["seed"])
+        result = serve(new_server, trace, rate, seed, int(cmd.get("unloaded", 16)))
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,538 @@
+"""Online serving benchmark: mean normalized latency against request rate, paged vs contiguous.
+
+    python scripts/bench_serving.py                      # tiny Llama, ShareGPT- and Alpaca-like
+    python scripts/bench_serving.py --datasets sharegpt --rates-sharegpt 2,4,8 --repeats 1
+    python scripts/bench_serving.py --trace-jsonl my.jsonl --rates-user 1,2,4
+    python scripts/bench_serving.py --dry-run            # print the plan, run nothing
+
+Requests arrive by a seeded Poisson process at each rate on the wall clock; every system
+(the paged engine and the contiguous-KV baselines under the Orca reservation policies
+max / pow2 / oracle) serves them with continuous batching, admitting a request only once
+it has arrived, under the same KV budget in bytes, with the same model, greedy, EOS
+ignored. Per request: latency = finish - arrival, normalized by its output tokens; a
+point is the mean over the trace, repeated --repeats times (seeds differ), systems
+interleaved and rotated within a repeat. A system stops at the first rate whose median
+exceeds --stop-factor x the bound. The bound is --latency-factor x the largest
+unloaded latency (each system's median at the lowest rate); a system's sustained rate
+is the highest rate under it (interpolated). Every system runs in its own worker process
+(paged_jax.baselines.serving_worker). Outputs of every run must equal the paged engine's
+(same trace): any mismatch exits non-zero after writing the JSON. docs/serving_benchmark.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from paged_jax.baselines.hf_generate import MODEL_PRESETS, llama_num_parameters
+from paged_jax.baselines.serving import PAGED, analyze_curves, plot_latency_curves, system_curves
+from paged_jax.baselines.serving_worker import build_trace
+from paged_jax.baselines.workload import (
+    DATASET_NAMES,
+    PAPER_MAX_MODEL_LEN,
+    DatasetTraceConfig,
+    trace_summary,
+)
+
+SYSTEMS = (
+    "paged",
+    "orca-oracle",
+    "orca-pow2",
+    "orca-max",
+    "contiguous-oracle",
+    "contiguous-pow2",
+    "contiguous-max",
+)
+DEFAULT_SYSTEMS = SYSTEMS[:4]
+NAMES = {s: (PAGED if s == "paged" else s) for s in SYSTEMS}
+DEFAULT_RATES = {"sharegpt": "1,2,4,6,8,10,12,16,20", "alpaca": "4,8,16,24,32,40,48,64"}
+PAPER_RATIOS = {
+    "orca-oracle": "1.7-2.7x",
+    "orca-max": "2.7-8x",
+    "contiguous-oracle": "1.7-2.7x",
+    "contiguous-max": "2.7-8x",
+}
+
+
+def _float_list(p: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
+    try:
+        values = sorted({float(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        values = []
+    if not values or values[0] <= 0:
+        p.error(f"{flag}={text!r} must be a comma list of numbers > 0")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    m = p.add_mutually_exclusive_group()
+    m.add_argument("--model", default=None, help="HF checkpoint dir (default: a random Llama)")
+    m.add_argument("--model-preset", default="tiny", choices=sorted(MODEL_PRESETS))
+    p.add_argument(
+        "--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS)
+    )
+    p.add_argument("--datasets", default=",".join(DATASET_NAMES), help="synthetic traces to serve")
+    p.add_argument(
+        "--trace-jsonl",
+        default=None,
+        help='also serve a user trace "user": JSON lines {"prompt_len": P, "output_len": O}',
+    )
+    for name in (*DATASET_NAMES, "user"):
+        p.add_argument(
+            f"--rates-{name}",
+            default=DEFAULT_RATES.get(name, "1,2,4,8"),
+            help=f"request rates (requests/s) for the {name} trace",
+        )
+    p.add_argument("--num-requests", type=int, default=100, help="requests per trace")
+    for name in (*DATASET_NAMES, "user"):
+        p.add_argument(
+            f"--num-requests-{name}",
+            type=int,
+            default=None,
+            help=f"requests of the {name} trace (default: --num-requests)",
+        )
+    p.add_argument(
+        "--unloaded-requests",
+        type=int,
+        default=16,
+        help="the unloaded point (rate 0): the trace's first K requests served one at a time",
+    )
+    p.add_argument(
+        "--scale",
+        type=float,
+        default=0.25,
+        help="factor on the paper's lengths and max_model_len 2048 (0.25: max_model_len 512)",
+    )
+    p.add_argument("--repeats", type=int, default=2, help="runs per point (arrival seeds differ)")
+    p.add_argument("--seed", type=int, default=0, help="trace and model seed")
+    p.add_argument(
+        "--budget-max-requests",
+        type=float,
+        default=7.5,
+        help="KV budget = this many max_model_len reservations (same bytes for every system)",
+    )
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="paged and pow2/oracle rows")
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--latency-factor", type=float, default=4.0, help="bound = this x unloaded")
+    p.add_argument(
+        "--stop-factor",
+        type=float,
+        default=2.5,
+        help="a system stops at the first rate whose median is above this x the bound",
+    )
+    p.add_argument("--output", default="bench_results/serving_benchmark.json")
+    p.add_argument(
+        "--figures", default=None, help="folder for serving_<trace>.png (none: no figure)"
+    )
+    p.add_argument(
+        "--compile-cache-dir",
+        default=None,
+        help="JAX compilation cache shared by the workers (default: a temp dir); warm-up only",
+    )
+    p.add_argument("--dry-run", action="store_true")
+    args = p.parse_args(argv)
+    args.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    if any(s not in SYSTEMS for s in args.systems) or not args.systems:
+        p.error(f"--systems={','.join(args.systems)!r} must list some of {SYSTEMS}")
+    args.datasets = tuple(s.strip() for s in args.datasets.split(",") if s.strip())
+    if any(d not in DATASET_NAMES for d in args.datasets):
+        p.error(f"--datasets={','.join(args.datasets)!r} must list some of {DATASET_NAMES}")
+    if not args.datasets and not args.trace_jsonl:
+        p.error("--datasets is empty and no --trace-jsonl: nothing to serve")
+    args.rates = {
+        name: _float_list(p, f"--rates-{name}", getattr(args, f"rates_{name}"))
+        for name in (*args.datasets, *(["user"] if args.trace_jsonl else []))
+    }
+    args.requests = {
+        name: getattr(args, f"num_requests_{name}") or args.num_requests for name in args.rates
+    }
+    if args.repeats < 1 or min(args.requests.values()) < 1 or args.unloaded_requests < 1:
+        p.error(
+            f"--repeats={args.repeats}, --unloaded-requests={args.unloaded_requests} and "
+            f"the request counts {args.requests} must be >= 1"
+        )
+    if not (args.latency_factor > 1 and args.stop_factor >= 1):
+        p.error(
+            f"--latency-factor={args.latency_factor} must be > 1 and "
+            f"--stop-factor={args.stop_factor} >= 1"
+        )
+    if not 0 < args.scale <= 1:
+        p.error(f"--scale={args.scale} must be in (0, 1]")
+    return args
+
+
+def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
+    """K and V of one token over all layers, from the HF config (no model is loaded)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    itemsize = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * itemsize
+
+
+def make_plan(args: argparse.Namespace, model_config: dict[str, Any]) -> dict[str, Any]:
+    """Traces, the shared KV budget and each system's worker spec (JSON-ready)."""
+    max_model_len = max(2, round(PAPER_MAX_MODEL_LEN * args.scale))
+    per_token = kv_bytes_per_token(model_config, args.dtype)
+    budget_tokens = int(args.budget_max_requests * max_model_len)
+    budget_tokens -= budget_tokens % args.block_size  # whole blocks: paged holds it exactly
+    budget = budget_tokens * per_token
+    traces: dict[str, dict[str, Any]] = {}
+    for d in args.datasets:
+        traces[d] = dataclass_dict(
+            DatasetTraceConfig(
+                dataset=d,
+                num_requests=args.requests[d],
+                scale=args.scale,
+                vocab_size=model_config["vocab_size"],
+                seed=args.seed,
+            )
+        )
+    if args.trace_jsonl:
+        traces["user"] = {
+            "jsonl": str(args.trace_jsonl),
+            "max_model_len": max_model_len,
+            "num_requests": args.requests["user"],
+            "vocab_size": model_config["vocab_size"],
+            "seed": args.seed,
+        }
+    paged = {
+        # One more block than the budget: the engine's null block holds no tokens.
+        "budget_bytes": budget + args.block_size * per_token,
+        "block_size": args.block_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "async_scheduling": not args.no_async_scheduling,
+    }
+    orca = {
+        **paged,
+        # Room for every admitted request's blocks: its reservation rounded up to whole
+        # blocks, so only the reservations bind (the engine never preempts).
+        "budget_bytes": budget + (args.max_num_seqs + 1) * args.block_size * per_token,
+        "reservation_budget_tokens": budget_tokens,
+    }
+    contiguous = {
+        "budget_bytes": budget,
+        "max_model_len": max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+    }
+    return {
+        "max_model_len": max_model_len,
+        "kv_bytes_per_token": per_token,
+        "kv_budget_bytes": budget,
+        "kv_budget_tokens": budget_tokens,
+        "kv_budget_max_len_requests": budget_tokens / max_model_len,
+        "traces": traces,
+        "paged": paged,
+        "orca": orca,
+        "contiguous": contiguous,
+    }
+
+
+def dataclass_dict(obj: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+class Worker:
+    """A system's worker process: started and warmed up, then one online run per call."""
+
+    def __init__(self, spec: dict, label: str):
+        self.label = label
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "paged_jax.baselines.serving_worker", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.label} worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def serve(self, trace: str, rate: float, seed: int, unloaded: int) -> dict:
+        load = os.getloadavg()[0]
+        cmd = {"op": "serve", "trace": trace, "rate": rate, "seed": seed, "unloaded": unloaded}
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        result = self._read()
+        result["summary"]["loadavg_1min_at_start"] = round(load, 2)
+        return result
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def sweep(
+    args: argparse.Namespace, workers: dict[str, Worker], trace: str, num_requests: int
+) -> tuple[list[dict], int, dict[str, Any]]:
+    """Rate 0 (unloaded), then every rate ascending; at each, --repeats rounds over the
+    systems still active, started in rotated order.
+
+    Returns the points (one per run), the number of outputs that differ from the paged
+    engine's (or are missing), and per system the equal count of every run.
+    """
+    points: list[dict] = []
+    runs: list[tuple[str, float, dict[str, list[int]]]] = []
+    active = list(workers)
+    for rate in [0.0, *args.rates[trace]]:
+        if not active:
+            break
+        for rep in range(args.repeats):
+            seed = args.seed * 1000 + rep
+            order = active[rep % len(active) :] + active[: rep % len(active)]
+            for name in order:
+                res = workers[name].serve(trace, rate, seed, args.unloaded_requests)
+                s = res["summary"]
+                print(
+                    f"  {trace} rate {rate:g} rep {rep} {name}: "
+                    f"{s['mean_normalized_latency_s'] * 1e3:.1f} ms/token, "
+                    f"max batch {s['max_running']}, {s['wall_s']:.1f} s",
+                    flush=True,
+                )
+                points.append({"system": name, "trace": trace, "repeat": rep, **s})
+                runs.append((name, rate, res["outputs"]))
+        curves = system_curves(points)
+        bound = analyze_curves(curves, args.latency_factor)["main"]["bound_s_per_token"]
+        for name in list(active):
+            last = curves[name][-1]
+            if last["rate"] == rate and last["median"] > args.stop_factor * bound:
+                active.remove(name)
+                print(f"  {name} saturated at {rate:g} req/s: stopped", flush=True)
+    mismatches, agreement = check_outputs(
+        runs, num_requests, min(num_requests, args.unloaded_requests)
+    )
+    return points, mismatches, agreement
+
+
+def check_outputs(
+    runs: list[tuple[str, float, dict[str, list[int]]]], num_full: int, num_unloaded: int
+) -> tuple[int, dict[str, list[int]]]:
+    """Every run's outputs against the paged engine's first output of each request.
+
+    A run must return all of its requests (the unloaded run the first num_unloaded, the
+    others all num_full); a missing or different output is a mismatch. Without a paged
+    run the first system's outputs are the reference.
+    """
+    reference: dict[str, list[int]] = {}
+    first = next((n for n, _, _ in runs if n == PAGED), runs[0][0] if runs else None)
+    for name, _, outs in runs:
+        if name == first:
+            for k, v in outs.items():
+                reference.setdefault(k, v)
+    mismatches, agreement = 0, {}
+    for name, rate, outs in runs:
+        expected = num_unloaded if rate == 0 else num_full
+        same = sum(reference.get(k) == v for k, v in outs.items())
+        agreement.setdefault(name, []).append(same)
+        mismatches += expected - same
+    return mismatches, agreement
+
+
+def _source() -> dict:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
+    dirty = subprocess.run(
+        ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    )
+    if commit.returncode:
+        return {"commit": os.environ.get("BENCH_SOURCE_COMMIT"), "export": True}
+    return {"commit": commit.stdout.strip(), "uncommitted_changes": bool(dirty.stdout.strip())}
+
+
+def build_model(args: argparse.Namespace, tmp: pathlib.Path) -> pathlib.Path:
+    """--model, or the preset's random Llama built in a child process (torch stays there)."""
+    if args.model:
+        return pathlib.Path(args.model)
+    model_dir = tmp / "llama"
+    code = (
+        "import sys; from paged_jax.baselines.hf_generate import build_random_llama; "
+        "build_random_llama(sys.argv[1], seed=int(sys.argv[2]), preset=sys.argv[3])"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code, str(model_dir), str(args.seed), args.model_preset], check=True
+    )
+    return model_dir
+
+
+def plan_text(args: argparse.Namespace, plan: dict[str, Any]) -> str:
+    lines = [
+        f"systems: {', '.join(NAMES[s] for s in args.systems)}",
+        f"max_model_len {plan['max_model_len']} (scale {args.scale:g} of {PAPER_MAX_MODEL_LEN})",
+        f"KV budget: {plan['kv_budget_tokens']} token slots = {plan['kv_budget_bytes']} bytes "
+        f"({plan['kv_budget_max_len_requests']:.2f} max-length requests)",
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}",
+        f"repeats {args.repeats}; unloaded point: {args.unloaded_requests} requests one at a time",
+    ]
+    for name, rates in args.rates.items():
+        lines.append(
+            f"{name}: {args.requests[name]} requests at rates "
+            f"{', '.join(f'{r:g}' for r in rates)} req/s"
+        )
+    return "\n".join(lines)
+
+
+def build_report(
+    args: argparse.Namespace,
+    plan: dict[str, Any],
+    results: dict[str, dict[str, Any]],
+    workers_ready: dict[str, dict],
+    model_config: dict[str, Any],
+) -> dict[str, Any]:
+    traces = {}
+    for name, spec in plan["traces"].items():
+        res = results.get(name, {})
+        curves = system_curves(res.get("points", []))
+        entry = {
+            "spec": spec,
+            "summary": trace_summary(build_trace(spec)),
+            "rates": args.rates[name],
+            "curves": curves,
+            "analysis": analyze_curves(curves, args.latency_factor) if curves else None,
+            "num_mismatched_outputs": res.get("mismatches", 0),
+            "greedy_output_agreement": res.get("agreement", {}),
+            "points": res.get("points", []),
+        }
+        traces[name] = entry
+    return {
+        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "source": _source(),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+        },
+        "model": {
+            "preset": None if args.model else args.model_preset,
+            "path": args.model,
+            "dtype": args.dtype,
+            "num_parameters": llama_num_parameters(model_config),
+        },
+        "settings": vars(args),
+        "plan": plan,
+        "workers": workers_ready,
+        "paper_ratios": PAPER_RATIOS,
+        "traces": traces,
+        "num_mismatched_outputs": sum(t["num_mismatched_outputs"] for t in traces.values()),
+    }
+
+
+def ratio_text(report: dict[str, Any]) -> str:
+    lines = []
+    for name, t in report["traces"].items():
+        a = t["analysis"]
+        if not a:
+            continue
+        main = a["main"]
+        lines.append(f"{name}: bound {main['bound_s_per_token'] * 1e3:.1f} ms/token")
+        for system, s in main["sustained"].items():
+            more = "+" if s["lower_bound_only"] else ""
+            lines.append(f"  {system}: sustained {s['rate']:.2f}{more} req/s")
+        for other, r in main["paged_over"].items():
+            value = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+            paper = PAPER_RATIOS.get(other, "-")
+            flag = " (grid-censored)" if r["censored"] else ""
+            lines.append(f"  paged / {other}: {value}{flag}  (paper {paper})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    if args.model:
+        model_config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
+    else:
+        model_config = dict(MODEL_PRESETS[args.model_preset])
+    plan = make_plan(args, model_config)
+    print(plan_text(args, plan), flush=True)
+    if args.dry_run:
+        return 0
+    results: dict[str, dict[str, Any]] = {}
+    ready: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
+        model_dir = build_model(args, pathlib.Path(tmp))
+        base = {
+            "model_dir": str(model_dir),
+            "dtype": args.dtype,
+            "compile_cache_dir": args.compile_cache_dir or str(pathlib.Path(tmp) / "jax_cache"),
+            "traces": plan["traces"],
+            "paged": plan["paged"],
+            "orca": plan["orca"],
+            "contiguous": plan["contiguous"],
+        }
+        workers: dict[str, Worker] = {}
+        try:
+            for s in args.systems:  # built one at a time: warm-up is the heavy part
+                workers[NAMES[s]] = Worker({**base, "system": s}, NAMES[s])
+                ready[NAMES[s]] = workers[NAMES[s]].ready
+                print(f"{NAMES[s]} ready (warm-up {ready[NAMES[s]]['warmup_s']:.1f} s)", flush=True)
+            for trace in plan["traces"]:
+                n = len(build_trace(plan["traces"][trace]))
+                points, mismatches, agreement = sweep(args, workers, trace, n)
+                results[trace] = {
+                    "points": points,
+                    "mismatches": mismatches,
+                    "agreement": agreement,
+                }
+        finally:
+            for w in workers.values():
+                w.close()
+    report = build_report(args, plan, results, ready, model_config)
+    report["total_wall_s"] = time.perf_counter() - t0
+    out = pathlib.Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    if args.figures:
+        fig_dir = pathlib.Path(args.figures)
+        fig_dir.mkdir(parents=True, exist_ok=True)
+        for name, t in report["traces"].items():
+            if not t["analysis"]:
+                continue
+            s = t["summary"]
+            title = (
+                f"{name}-like trace x{args.scale:g}: prompt mean {s['input_mean']:.0f}, output "
+                f"mean {s['output_mean']:.0f} tokens; KV {plan['kv_budget_tokens']} slots"
+            )
+            if name == "user":
+                title = title.replace("user-like", "user")
+            plot_latency_curves(
+                t["curves"], t["analysis"], fig_dir / f"serving_{name}.png", title=title
+            )
+    print(ratio_text(report))
+    print(f"wrote {out} (total {report['total_wall_s']:.0f} s)")
+    if report["num_mismatched_outputs"]:
+        n = report["num_mismatched_outputs"]
+        print(f"FAILED: {n} greedy outputs differ from paged-jax's", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
