@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
 import os
 import pathlib
 import signal
@@ -44,6 +45,7 @@ from paged_jax.entrypoints.prompts_file import (
 )
 from paged_jax.entrypoints.records import rejected_error, request_record
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
+from paged_jax.spec_decode.proposer import SpeculativeConfig
 from paged_jax.structured_outputs import StructuredOutputsParams
 
 PROG = "paged-jax-generate"
@@ -201,7 +203,20 @@ ENGINE_ABSENT = {
     "validate": "a debugging switch of the tests (device-side range checks)",
     "distributed_heartbeat_timeout_s": "a multi-host knob of the Python API",
     "lockstep_check_interval": "a multi-host knob of the Python API",
+    "speculative_config": "--speculative-config JSON (vLLM's dict in one flag)",
 }
+
+
+def speculative_config_flag(text: str) -> SpeculativeConfig:
+    """--speculative-config's value: vLLM's dict as JSON (argparse exits 2 on an error)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {err}") from None
+    try:
+        return SpeculativeConfig.from_dict(value)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -235,6 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_constraint_flags(s)
     e = p.add_argument_group("engine (EngineConfig fields)")
     add_field_flags(e, EngineConfig, ENGINE_FLAGS, ENGINE_ABSENT)
+    e.add_argument(
+        "--speculative-config",
+        type=speculative_config_flag,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative_decoding.md)',
+    )
     e.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -320,6 +343,8 @@ def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sizes them to the job (job.size_engine).
     """
     engine_args = field_values(args, EngineConfig, ENGINE_FLAGS)
+    if getattr(args, "speculative_config", None) is not None:
+        engine_args["speculative_config"] = args.speculative_config
     for name in SIZED_FIELDS:
         if engine_args[name] is None:
             del engine_args[name]
@@ -805,6 +830,22 @@ def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, An
         "median_step_ms": round(stats["step_time_ms"], 2),
         "compile_cache": str(llm.compile_cache_dir) if llm.compile_cache_dir else None,
         **(plan.cache_use if llm.compile_cache_dir else {}),
+        **_spec_summary(stats),
+    }
+
+
+def _spec_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """The summary lines of speculative decoding (none without it)."""
+    if "spec_method" not in stats:
+        return {}
+    return {
+        "spec_method": stats["spec_method"],
+        "spec_draft_tokens": stats["spec_num_draft_tokens"],
+        "spec_accepted_tokens": stats["spec_num_accepted_tokens"],
+        "spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
+        "spec_acceptance_per_position": [
+            round(x, 3) for x in stats["spec_acceptance_rate_per_position"]
+        ],
     }
 
 

@@ -3,10 +3,13 @@ the request's own suffix (host side, numpy; no model, no KV, no compiles).
 
 For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens of prompt +
 output are searched for earlier in the same list; the longest n that occurs wins, its
-most recent occurrence is taken, and up to k tokens that followed it are proposed:
+first occurrence is taken, and the k tokens that followed it are proposed:
 
     tokens:  a b c d x y b c d ?      suffix "b c d" (n = 3) also sits at 1..3
-                 ^^^^^                 -> propose "x y b" (k = 3)
+               ^^^^^                   -> propose "x y b" (k = 3)
+
+When fewer than k tokens follow the match, the proposal repeats them (the match and its
+continuation overlap the suffix: a loop of period p continues with period p).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ __all__ = ["NgramProposer", "propose_ngram"]
 
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram.
+    """The k tokens that follow the first earlier match of the longest suffix n-gram.
 
     Args:
         tokens: i32[L] prompt + output tokens.
@@ -32,7 +35,7 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
         k: most tokens proposed.
 
     Returns:
-        i32[m], m <= k (empty when no suffix of size >= min_n occurs earlier).
+        i32[k], or i32[0] when no suffix of size >= min_n occurs earlier.
     """
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -41,8 +44,8 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
         windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
+            # np.resize repeats the continuation cyclically when it is short.
+            return np.resize(tokens[int(hits[0]) + n :], k)
     return tokens[:0]
 
 
