@@ -31,7 +31,6 @@ from paged_jax.worker.sampling import (
     apply_bitmask,
     apply_penalties,
     ban_tokens,
-    sample_row,
     token_logprobs,
 )
 from paged_jax.worker.step_input import SamplingMetadata, SpecDecodeInput
@@ -72,6 +71,12 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.A
         f32[V] probabilities after temperature, top-k, top-p and min-p (zero outside
         the kept set, renormalised).
     """
+    return _probs_and_draw(logits, temperature, top_k, top_p, min_p, None)[0]
+
+
+def _probs_and_draw(logits, temperature, top_k, top_p, min_p, key):
+    """filtered_probs and, with a key, the token ``sampling.sample_row`` draws with it
+    (one sort for both: the draw is categorical over the same kept, sorted logits)."""
     vocab = logits.shape[0]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
     order = jnp.argsort(scaled, descending=True, stable=True)
@@ -82,8 +87,11 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.A
     keep &= (jnp.cumsum(probs) - probs) < top_p
     keep &= probs >= min_p * probs[0]
     keep = keep.at[0].set(True)
-    kept = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-    return jnp.zeros(vocab, jnp.float32).at[order].set(kept)
+    kept_logits = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jnp.zeros(vocab, jnp.float32).at[order].set(jax.nn.softmax(kept_logits))
+    if key is None:
+        return probs, None
+    return probs, order[jax.random.categorical(key, kept_logits)].astype(jnp.int32)
 
 
 def rejection_sample(
@@ -127,8 +135,7 @@ def rejection_sample(
         return jax.vmap(jax.vmap(fn, in_axes=axes))(*args)
 
     def sampled_path():
-        bonus = per_position(sample_row, logits, temperature, top_k, top_p, min_p, keys)
-        p = per_position(filtered_probs, logits, temperature, top_k, top_p, min_p)
+        p, bonus = per_position(_probs_and_draw, logits, temperature, top_k, top_p, min_p, keys)
         p_drafts = p[:, :k]  # [S, k, V]
         p_x = jnp.take_along_axis(p_drafts, drafts[..., None], axis=-1)[..., 0]
         if draft_probs is None:

@@ -51,32 +51,6 @@ def _reference_greedy(logits, drafts, num_draft):
     return out
 
 
-def test_greedy_equals_reference():
-    rng = np.random.default_rng(0)
-    n = 64
-    logits = rng.normal(size=(n, K + 1, VOCAB)).astype(np.float32)
-    best = logits.argmax(-1)
-    # Drafts that match the argmax for a random prefix, then differ.
-    drafts = best[:, :K].copy()
-    cut = rng.integers(0, K + 1, n)
-    for s in range(n):
-        if cut[s] < K:
-            drafts[s, cut[s]] = (best[s, cut[s]] + 1) % VOCAB
-    num_draft = rng.integers(0, K + 1, n).astype(np.int32)
-    tokens, emitted = jax.jit(rejection_sample, static_argnums=())(
-        jnp.asarray(logits),
-        jnp.asarray(drafts),
-        jnp.asarray(num_draft),
-        None,
-        *_settings(n, 0.0),
-        _keys(np.arange(n), np.zeros(n), K + 1),
-    )
-    tokens, emitted = np.asarray(tokens), np.asarray(emitted)
-    want = _reference_greedy(logits, drafts, num_draft)
-    got = [tokens[s, : emitted[s]].tolist() for s in range(n)]
-    assert got == want
-
-
 def _chi_square_p(observed_tokens, probs):
     counts = np.bincount(observed_tokens, minlength=VOCAB).astype(np.float64)
     probs = np.asarray(probs, np.float64)
@@ -89,7 +63,8 @@ def _chi_square_p(observed_tokens, probs):
 @pytest.mark.parametrize("draft", ["probs", "point_mass"])
 def test_emitted_distribution_matches_target(draft):
     """Position 0 (always emitted) follows p_0, and position 1 given an accepted x_0
-    follows p_1, with drafts drawn from a q that differs from p."""
+    follows p_1, with drafts drawn from a q that differs from p. The point-mass batch
+    also carries greedy rows, checked against a plain-Python reference."""
     n = 4000
     rng = np.random.default_rng(1)
     target_logits = rng.normal(size=(K + 1, VOCAB)).astype(np.float32) * 1.5
@@ -117,16 +92,38 @@ def test_emitted_distribution_matches_target(draft):
         drafts = np.tile(np.array([[int(p[0].argmin() if p[0].min() > 0 else 1), 2]]), (n, 1))
         drafts[:, 0] = int(np.argsort(p[0])[-2])  # a likely but not the likeliest token
         draft_probs = None
-    logits = jnp.asarray(np.broadcast_to(target_logits, (n, K + 1, VOCAB)).copy())
+    logits = np.broadcast_to(target_logits, (n, K + 1, VOCAB)).copy()
+    num_draft = np.full(n, K, np.int32)
+    g = 64 if draft == "point_mass" else 0  # greedy rows after the sampled ones
+    if g:
+        greedy_logits = rng.normal(size=(g, K + 1, VOCAB)).astype(np.float32)
+        best = greedy_logits.argmax(-1)
+        greedy_drafts = best[:, :K].copy()
+        cut = rng.integers(0, K + 1, g)
+        for s in range(g):  # drafts that match the argmax for a random prefix
+            if cut[s] < K:
+                greedy_drafts[s, cut[s]] = (best[s, cut[s]] + 1) % VOCAB
+        greedy_num = rng.integers(0, K + 1, g).astype(np.int32)
+        logits = np.concatenate([logits, greedy_logits])
+        drafts = np.concatenate([drafts, greedy_drafts])
+        num_draft = np.concatenate([num_draft, greedy_num])
+        settings = tuple(
+            jnp.concatenate([x, jnp.full(g, 0 if i != 2 else 1, x.dtype)])
+            for i, x in enumerate(settings)
+        )
     tokens, emitted = jax.jit(rejection_sample)(
-        logits,
+        jnp.asarray(logits),
         jnp.asarray(drafts, jnp.int32),
-        jnp.full(n, K, jnp.int32),
+        jnp.asarray(num_draft),
         draft_probs,
         *settings,
-        _keys(np.arange(n) + 1000, np.zeros(n), K + 1),
+        _keys(np.arange(n + g) + 1000, np.zeros(n + g), K + 1),
     )
     tokens, emitted = np.asarray(tokens), np.asarray(emitted)
+    if g:
+        want = _reference_greedy(logits[n:], drafts[n:], num_draft[n:])
+        assert [tokens[n + s, : emitted[n + s]].tolist() for s in range(g)] == want
+        tokens, emitted, drafts = tokens[:n], emitted[:n], drafts[:n]
     assert _chi_square_p(tokens[:, 0], p[0]) > P_VALUE_FLOOR
     accepted = (emitted >= 2) & (tokens[:, 0] == drafts[:, 0])
     assert accepted.sum() > 300
