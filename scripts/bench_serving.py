@@ -215,13 +215,10 @@ def make_plan(args: argparse.Namespace, model_config: dict[str, Any]) -> dict[st
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "async_scheduling": not args.no_async_scheduling,
     }
-    orca = {
-        **paged,
-        # Room for every admitted request's blocks: its reservation rounded up to whole
-        # blocks, so only the reservations bind (the engine never preempts).
-        "budget_bytes": budget + (args.max_num_seqs + 1) * args.block_size * per_token,
-        "reservation_budget_tokens": budget_tokens,
-    }
+    # The same pool: reservations are made in whole blocks of it, so they never need
+    # more blocks than it holds (the engine never preempts) and the programs are the
+    # paged worker's (its compilation cache entries serve this warm-up).
+    orca = {**paged, "reservation_budget_tokens": budget_tokens}
     contiguous = {
         "budget_bytes": budget,
         "max_model_len": max_model_len,

@@ -441,16 +441,31 @@ class ReservationServer:
     the policy (max_model_len, the next power of two of its KV length, or exactly that)
     fits first-fit in an address space of `budget_tokens`; FCFS with head-of-line
     blocking, as ContiguousKVEngine admits. The reservation is released when the inner
-    server returns the request. Wrapped around the paged engine (with a pool that never
-    binds) this is the contiguous design on the same compute: one forward per step, the
-    same kernels, so any difference from the paged engine is the memory policy alone.
+    server returns the request. Wrapped around the paged engine with the same pool, in
+    whole blocks (granularity = block_size, so the admitted requests' blocks always fit
+    and it never preempts), this is the contiguous design on the same compute: one
+    forward per step, the same kernels, so any difference from the paged engine is the
+    memory policy alone.
 
         space:  |r0 ........|r1 ..|   hole   |r2 ......|   r3 waits for a big enough hole
     """
 
-    def __init__(self, inner: Server, policy: str, budget_tokens: int, max_model_len: int):
+    def __init__(
+        self,
+        inner: Server,
+        policy: str,
+        budget_tokens: int,
+        max_model_len: int,
+        *,
+        granularity: int = 1,
+    ):
         from paged_jax.memory_study.allocators import POLICIES, FirstFitSpace
 
+        if granularity < 1 or budget_tokens % granularity:
+            raise ValueError(
+                f"granularity={granularity!r} must be >= 1 and divide "
+                f"budget_tokens={budget_tokens!r}"
+            )
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
         if max_model_len > budget_tokens:
@@ -459,17 +474,21 @@ class ReservationServer:
                 f"{max_model_len} reservation"
             )
         self.inner, self.policy, self.max_model_len = inner, policy, max_model_len
+        self.granularity = granularity
         self.space = FirstFitSpace(budget_tokens)
         self.gate: collections.deque[TraceRequest] = collections.deque()
         self.starts: dict[str, int] = {}
         self.max_reserved = 0
 
     def reservation(self, req: TraceRequest) -> int:
-        """Token slots the policy reserves for the request's K/V (prompt + output - 1)."""
+        """Token slots the policy reserves for the request's K/V (prompt + output - 1),
+        rounded up to the granularity (the inner pool's block: the reservations then
+        never need more blocks than the pool holds)."""
         from paged_jax.memory_study.allocators import reservation_size
 
         kv_len = req.num_prompt_tokens + req.num_output_tokens - 1
-        return reservation_size(self.policy, kv_len, self.max_model_len)
+        size = reservation_size(self.policy, kv_len, self.max_model_len)
+        return -(-size // self.granularity) * self.granularity
 
     def _admit(self) -> None:
         while self.gate:

@@ -49,7 +49,8 @@ def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[[], Server
     """The system and a factory of fresh servers over it (one per run).
 
     "orca-<policy>" is the paged engine behind a ReservationServer: spec["orca"] holds
-    the engine's keywords (a pool that never binds) and the reservation budget.
+    the engine's keywords and the reservation budget in tokens (the pool's usable
+    blocks x block_size), reserved in whole blocks.
     """
     name = spec["system"]
     if not name.startswith("orca-"):

@@ -160,6 +160,12 @@ class DatasetTraceConfig:
             raise ValueError(f"DatasetTraceConfig.num_requests={self.num_requests!r} must be >= 1")
         if not 0 < self.scale <= 1:
             raise ValueError(f"DatasetTraceConfig.scale={self.scale!r} must be in (0, 1]")
+        for d in scaled_length_dists(self.dataset, self.scale):
+            if not d.lo < d.mean < d.hi:
+                raise ValueError(
+                    f"DatasetTraceConfig.scale={self.scale!r} is too small for {self.dataset}: "
+                    f"a scaled mean length {d.mean:.2f} must lie inside ({d.lo}, {d.hi})"
+                )
         if not 0 <= self.first_token_id < self.vocab_size:
             raise ValueError(
                 f"DatasetTraceConfig.first_token_id={self.first_token_id!r} must be in "

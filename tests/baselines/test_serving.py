@@ -153,6 +153,8 @@ def test_dataset_traces_keep_the_paper_ratios_scaled(dataset):
     assert all(3 <= t < 1024 for r in trace[:50] for t in r.prompt_token_ids)
     with pytest.raises(ValueError, match="dataset='lmsys' must be one of"):
         DatasetTraceConfig(dataset="lmsys")
+    with pytest.raises(ValueError, match="scale=0.005 is too small for"):
+        DatasetTraceConfig(dataset=dataset, scale=0.005)
 
 
 def test_jsonl_trace(tmp_path):
@@ -222,3 +224,10 @@ def test_reservation_server_admits_by_policy(policy, admitted_first):
     assert inner.added == ["a", "b", "c"] and gate.space.num_allocated == 0
     with pytest.raises(ValueError, match="must be <= max_model_len=8"):
         gate.add(TraceRequest("d", (5,) * 6, 3))
+    # In whole blocks of 4: KV length 2 reserves one block.
+    blocks = ReservationServer(Instant(), policy, budget_tokens=8, max_model_len=8, granularity=4)
+    assert (
+        blocks.reservation(TraceRequest("x", (5,), 2)) == {"max": 8, "pow2": 4, "oracle": 4}[policy]
+    )
+    with pytest.raises(ValueError, match="granularity=3 must be >= 1 and divide budget_tokens=8"):
+        ReservationServer(Instant(), policy, budget_tokens=8, max_model_len=8, granularity=3)

@@ -27,7 +27,7 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
         "--datasets", "alpaca", "--scale", "0.0625",
         "--num-requests", "6", "--unloaded-requests", "2",
         "--rates-alpaca", "40,400", "--repeats", "2",
-        "--budget-max-requests", "2", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+        "--budget-max-requests", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
         "--output", str(out), "--figures", str(figs),
     ]  # fmt: skip
     assert _load_script().main(argv) == 0
