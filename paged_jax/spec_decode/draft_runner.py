@@ -28,6 +28,7 @@ from flax import nnx
 from paged_jax.config import EngineConfig
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
 from paged_jax.spec_decode.proposer import DRAFT_KEY_TAG
+from paged_jax.worker.rejection_sampler import filtered_probs
 from paged_jax.worker.runner import copy_kv_blocks, counting_compiles, feed_tokens
 from paged_jax.worker.step_input import StepInput
 
@@ -58,27 +59,20 @@ def draft_distribution(
 ) -> jax.Array:  # f32[S, V], rows sum to 1
     """The distribution the target's sampler would draw from, applied to draft logits.
 
-    Temperature, then top-k, top-p (the token crossing the threshold stays) and min-p
-    over the sorted row, the top token always kept: the rule of the engine's sampler.
-    A greedy row (temperature 0) is one-hot at its argmax. Penalties, bans and grammar
-    masks are left out on purpose: the proposal may be any distribution, rejection
-    sampling against the target's p keeps the output exact.
+    Temperature, top-k, top-p and min-p by the engine sampler's rule
+    (rejection_sampler.filtered_probs); a greedy row (temperature 0) is one-hot at its
+    argmax. Penalties, bans and grammar masks are left out on purpose: the proposal may
+    be any distribution, rejection sampling against the target's p keeps the output exact.
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-    order = jnp.argsort(scaled, axis=-1, descending=True, stable=True)  # i32[S, V]
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    rank = jnp.arange(vocab)[None, :]
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)[:, None]
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    keep &= probs >= (min_p[:, None] * probs[:, :1])
-    keep = keep.at[:, 0].set(True)
-    kept = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    rows = jnp.arange(logits.shape[0])[:, None]
-    sampled_q = jnp.zeros_like(kept).at[rows, order].set(kept)
-    greedy_q = jax.nn.one_hot(jnp.argmax(logits, axis=-1), vocab, dtype=jnp.float32)
+    # The per-row sort behind the filters is skipped at run time on an all-greedy batch
+    # (both branches compile once), as the engine's sampler does.
+    sampled_q = jax.lax.cond(
+        jnp.any(temperature > 0),
+        lambda: jax.vmap(filtered_probs)(logits, temperature, top_k, top_p, min_p),
+        lambda: jnp.zeros_like(logits),
+    )
+    greedy_q = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
     return jnp.where((temperature > 0)[:, None], sampled_q, greedy_q)
 
 
