@@ -10,8 +10,9 @@ side (scheduler, block pool) serves both models with one set of tables:
                     k one-token draft steps at q, q+1, .. q+k-1  (draft KV written at
                     the lookahead slots the scheduler allocated) -> d'1 .. d'k
 
-Both programs take fixed shapes (catch_up: the step's (T, S) bucket; propose: [S]) and
-are built in ``warmup``; the caches are donated to each call.
+Both programs take fixed shapes (catch_up: the step's (T, S) bucket, its block copies
+first; propose: R = max_num_seqs rows, one per input-batch row) and are built in
+``warmup``; the caches are donated to each call.
 """
 
 from __future__ import annotations
@@ -34,20 +35,20 @@ from paged_jax.worker.step_input import StepInput
 
 
 class DraftSampling(NamedTuple):
-    """Per-row settings the draft samples with, padded to S rows (a pytree of arrays)."""
+    """Per-row settings the draft samples with, one per input-batch row (a pytree of arrays)."""
 
-    temperature: Any  # f32[S]; 0 = greedy (argmax; q is then one-hot)
-    top_k: Any  # i32[S]; 0 = off
-    top_p: Any  # f32[S]; 1 = off
-    min_p: Any  # f32[S]; 0 = off
-    seeds: Any  # u32[S]
+    temperature: Any  # f32[R]; 0 = greedy (argmax; q is then one-hot)
+    top_k: Any  # i32[R]; 0 = off
+    top_p: Any  # f32[R]; 1 = off
+    min_p: Any  # f32[R]; 0 = off
+    seeds: Any  # u32[R]
 
 
 class DraftProposal(NamedTuple):
     """What ``DraftRunner.propose`` returns, on device."""
 
-    token_ids: jax.Array  # i32[S, k]; 0 on rows without a proposal
-    probs: jax.Array  # f32[S, k, V]; q, the distribution each token was drawn from
+    token_ids: jax.Array  # i32[R, k]; 0 on rows without a proposal
+    probs: jax.Array  # f32[R, k, V]; q, the distribution each token was drawn from
 
 
 def draft_distribution(
