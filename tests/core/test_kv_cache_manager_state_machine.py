@@ -60,6 +60,7 @@ STEPS = {
     "copies": 0,
     "rounds_with_holds": 0,
     "failed_rounds": 0,
+    "spec_rollbacks": 0,
 }
 
 
@@ -90,8 +91,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
     def _holders(self) -> collections.Counter:
         return collections.Counter(b for t in self.tables.values() for b in t)
 
-    def _allocate(self, req, num_new, num_hit=0, hits=None):
-        """allocate_slots plus the model's check of its copy-on-writes; queues the writes."""
+    def _allocate(self, req, num_new, num_hit=0, hits=None, drafts=()):
+        """allocate_slots plus the model's check of its copy-on-writes; queues the writes
+        (of the request's tokens, then of speculative drafts past them)."""
         if req.request_id in self.in_round:
             self.device_step()  # one allocation per request per round, as a scheduler does
         before = list(self.tables.get(req.request_id, []))
@@ -124,7 +126,9 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             block_id = after[pos // BS]
             # No block is written while another request holds it.
             assert self.m.pending_copies.num_holders(pool.blocks[block_id]) == 1
-            self.pending_writes.append((block_id, pos % BS, req.all_token_ids[pos]))
+            known = req.all_token_ids
+            token = known[pos] if pos < len(known) else drafts[pos - len(known)]
+            self.pending_writes.append((block_id, pos % BS, token))
         return new
 
     def device_step(self):
@@ -226,6 +230,36 @@ class KVCacheManagerMachine(RuleBasedStateMachine):
             self._preempt(req)
             return
         req.num_computed_tokens += num_new
+
+    @precondition(lambda self: any(r.num_computed_tokens == r.num_tokens for r in self.running))
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=6),
+        accept=st.integers(0, 6),
+    )
+    def speculate(self, data, drafts, accept):
+        """A decode step that verifies drafts, then keeps `accept` of them plus one token:
+        the rejected drafts' KV stays unread, their tail blocks go back to the pool
+        (free_tail_blocks), and only known tokens are ever hashed."""
+        req = data.draw(
+            st.sampled_from([r for r in self.running if r.num_computed_tokens == r.num_tokens])
+        )
+        if req.num_tokens + len(drafts) + 2 > MAX_MODEL_LEN:
+            self._finish(req)
+            return
+        req.append_output_token_ids(data.draw(st.integers(0, 3)))  # the next known token
+        if self._allocate(req, 1 + len(drafts), drafts=drafts) is None:
+            self._preempt(req)
+            return
+        req.num_computed_tokens += 1 + len(drafts)
+        self.device_step()
+        kept = drafts[: min(accept, len(drafts))]
+        req.append_output_token_ids([*kept, data.draw(st.integers(0, 3))])
+        req.num_computed_tokens = req.num_tokens - 1
+        freed = self.m.free_tail_blocks(req, req.num_tokens)
+        self.tables[req.request_id] = self.m.get_block_ids(req)
+        assert len(self.tables[req.request_id]) <= -(-req.num_tokens // BS)
+        STEPS["spec_rollbacks"] += freed > 0
 
     @precondition(lambda self: self.running)
     @rule(
