@@ -20,24 +20,11 @@ import time
 from typing import Any
 
 
-def expert_bytes_per_device(weights: Any) -> int:
-    """The most bytes of MoE expert weights (params under an ``experts`` path) one device holds."""
-    import jax
-
-    from paged_jax.worker.sharding import per_device_bytes
-
-    leaves = [
-        leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(weights)
-        if "experts" in jax.tree_util.keystr(path)
-    ]
-    return max(per_device_bytes(leaves).values(), default=0)
-
-
 def run_one(run: dict[str, Any]) -> dict[str, Any]:
     """Builds the LLM of one run, generates greedy and seeded tokens, returns them + stats."""
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
+    from paged_jax.worker.sharding import expert_bytes_per_device
 
     t0 = time.perf_counter()
     llm = LLM(run["path"], tensor_parallel_size=run["tensor_parallel_size"], **run["engine"])

@@ -190,6 +190,20 @@ def per_device_bytes(tree: Any) -> dict[Any, int]:
     return out
 
 
+def expert_bytes_per_device(weights: Any) -> int:
+    """The most bytes of MoE expert weights (params under an ``experts`` path) one device holds.
+
+    Args:
+        weights: a model's nnx.State, or a Runner's weights (stacked layers included).
+    """
+    leaves = [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(weights)
+        if "experts" in jax.tree_util.keystr(path)
+    ]
+    return max(per_device_bytes(leaves).values(), default=0)
+
+
 class TensorParallel:
     """What the Runner needs for tensor_parallel_size > 1: mesh, sharded model, caches, ops.
 

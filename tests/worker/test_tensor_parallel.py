@@ -227,7 +227,7 @@ def test_kv_heads_replicated_when_fewer_than_devices(results):
 def test_expert_bytes_split_one_over_n(results, checkpoints):
     """Each device holds 1/N of the stacked expert weights (N=2, 4; the issue allows 5%)."""
     from paged_jax.models import load_model
-    from paged_jax.testing.tp_checks import expert_bytes_per_device
+    from paged_jax.worker.sharding import expert_bytes_per_device
 
     for family in ("qwen2_moe", "mixtral"):
         total = expert_bytes_per_device(nnx.state(load_model(checkpoints[family])))

@@ -1,0 +1,272 @@
+"""Mixture of experts on this machine: step time vs a dense model of the same active
+parameters, the routing overhead per step, expert-parallel bytes and collectives.
+
+    python scripts/bench_moe.py --output docs/moe_cpu.json
+
+Random-weight models (nothing is downloaded), built in memory, reference attention:
+- MoE: a Mixtral of E experts, top-k, expert width F; dense: a Llama with the same
+  attention and an MLP of width k * F, so both run the same matmul FLOPs per token in an
+  ideal grouped matmul. Both serve the same trace (fixed prompts, greedy, ignore_eos)
+  through LLM.generate after warm-up, interleaved over rounds; the figure is wall time
+  over engine steps.
+- Routing overhead: the sort (argsort + bincount), the row gather and the weighted
+  scatter-add of one MoE layer, jitted alone at each bucket of the trace, times the
+  number of MoE layers; beside it the whole expert block (with the three ragged_dots).
+- Expert parallelism (on forced CPU devices): per-device bytes of the stacked expert
+  weights at N = 2, 4 against the total, and the collectives in the compiled TP step of
+  the MoE model and of the dense model (the HLO's all-reduce / all-to-all / all-gather /
+  reduce-scatter counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import time
+
+COLLECTIVES = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--expert-width", type=int, default=256)
+    p.add_argument("--prompts", type=int, default=8, help="prompts in the trace")
+    p.add_argument("--prompt-len", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--devices", default="2,4", help="expert-parallel sizes to measure")
+    p.add_argument("--output", default="bench_results/moe.json")
+    return p.parse_args(argv)
+
+
+def hf_configs(args: argparse.Namespace) -> tuple[dict, dict]:
+    """(Mixtral config.json dict, Llama config.json dict) of equal active parameters."""
+    common = dict(
+        vocab_size=512,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+    )
+    moe = dict(
+        common,
+        intermediate_size=args.expert_width,
+        num_local_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+    )
+    dense = dict(common, intermediate_size=args.top_k * args.expert_width)
+    return moe, dense
+
+
+def build(family: str, hf: dict):
+    from flax import nnx
+
+    from paged_jax.models.registry import MODEL_CLASSES
+
+    cls = MODEL_CLASSES[family]
+    config = cls.config_from_hf(dict(hf, model_type=family), {}, "float32")
+    return cls(config, rngs=nnx.Rngs(0), attention_backend="reference")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        block_size=16,
+        max_num_seqs=args.prompts,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.prompt_len + args.max_tokens + 16,
+        attention_backend="reference",
+    )
+
+
+def trace(args: argparse.Namespace) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 512, args.prompt_len).tolist() for _ in range(args.prompts)]
+
+
+def time_trace(llm, prompts, params) -> dict:
+    steps0 = llm.get_stats()["num_steps"]
+    t = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    steps = llm.get_stats()["num_steps"] - steps0
+    return dict(wall_s=wall, steps=steps, step_s=wall / steps)
+
+
+def routing_overhead(model, buckets: list[int], repeats: int = 50) -> dict:
+    """Per bucket: seconds of sort + gather + scatter of one MoE layer, and of the block."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax.models.moe import combine_expert_outputs, route, sort_by_expert
+
+    block = model.layers[0].mlp
+    moe = model.config.moe
+    e, k, d = moe.num_experts, moe.num_experts_per_tok, model.config.hidden_size
+
+    @jax.jit
+    def routing_only(x, weights, experts):
+        plan = sort_by_expert(experts, e)
+        rows = x[plan.tokens]  # the gather; the expert matmuls would read these rows
+        return combine_expert_outputs(rows, weights, plan, x.shape[0])
+
+    from flax import nnx
+
+    graphdef, state = nnx.split(block)
+    whole = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+    def median_s(fn, *a) -> float:
+        jax.block_until_ready(fn(*a))
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    out = {}
+    rng = np.random.default_rng(0)
+    for t in buckets:
+        x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+        weights, experts = route(block.router(x), k, norm_topk_prob=True, weight_dtype="float32")
+        out[t] = dict(
+            routing_s_per_layer=median_s(routing_only, x, weights, experts),
+            moe_block_s_per_layer=median_s(whole, state, x),
+        )
+    return out
+
+
+def expert_parallel(moe_model, dense_model, sizes: list[int], args: argparse.Namespace) -> dict:
+    """Per N: expert bytes per device vs total, and the TP step's collectives (MoE, dense)."""
+    from flax import nnx
+
+    from paged_jax.config import EngineConfig
+    from paged_jax.worker.input_batch import InputBatch
+    from paged_jax.worker.runner import Runner
+    from paged_jax.worker.sharding import expert_bytes_per_device
+
+    total = expert_bytes_per_device(nnx.state(moe_model))
+    out = {"expert_bytes_total": total}
+    for n in sizes:
+        row = {}
+        for name, model in (("moe", moe_model), ("dense", dense_model)):
+            config = EngineConfig(
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                max_model_len=256,
+                num_kv_blocks=64,
+                tensor_parallel_size=n,
+                attention_backend="reference",
+            )
+            runner = Runner(model, config)
+            batch = InputBatch(config, kv_cache_groups=model.kv_cache_groups())
+            step = batch.dummy_step_input(64, 16)
+            hlo = runner.jitted_step.lower(*runner.step_args(step)).compile().as_text()
+            # Count op instructions ("= f32[...] all-reduce(" or async "-start(") only.
+            counts = {c: len(re.findall(rf"\s{c}(?:-start)?\(", hlo)) for c in COLLECTIVES}
+            row[f"{name}_collectives"] = {c: v for c, v in counts.items() if v}
+            if name == "moe":
+                per_device = expert_bytes_per_device(runner.weights)
+                row["expert_bytes_per_device"] = per_device
+                row["expert_fraction_of_total"] = round(per_device / total, 4)
+                row["within_5pct_of_1_over_n"] = abs(per_device * n / total - 1) <= 0.05
+        out[n] = row
+        print(json.dumps({"devices": n, **row}), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = [int(n) for n in args.devices.split(",") if n]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if sizes and "force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(sizes)}"
+    import jax
+
+    from paged_jax import LLM, SamplingParams
+
+    moe_hf, dense_hf = hf_configs(args)
+    prompts = trace(args)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llms = {
+        "moe": LLM(build("mixtral", moe_hf), **engine_kwargs(args)),
+        "dense": LLM(build("llama", dense_hf), **engine_kwargs(args)),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in llms}
+    for _ in range(args.rounds):
+        for name, llm in llms.items():
+            runs[name].append(time_trace(llm, prompts, params))
+    timing = {}
+    for name, samples in runs.items():
+        steps = [s["step_s"] for s in samples]
+        timing[name] = dict(
+            step_median_s=round(statistics.median(steps), 5),
+            step_range_s=[round(min(steps), 5), round(max(steps), 5)],
+            steps_per_trace=samples[0]["steps"],
+            compiles_after_warmup=llms[name].get_stats()["num_compiles_after_warmup"],
+        )
+    timing["moe_over_dense_step"] = round(
+        timing["moe"]["step_median_s"] / timing["dense"]["step_median_s"], 3
+    )
+    print(json.dumps(timing), flush=True)
+    moe_model = build("mixtral", moe_hf)
+    buckets = sorted({16, args.max_num_batched_tokens})
+    routing = routing_overhead(moe_model, buckets)
+    for row in routing.values():
+        row["routing_s_per_step"] = row["routing_s_per_layer"] * args.layers
+        row["moe_blocks_s_per_step"] = row["moe_block_s_per_layer"] * args.layers
+        row["routing_share_of_moe_blocks"] = round(
+            row["routing_s_per_layer"] / row["moe_block_s_per_layer"], 3
+        )
+    print(json.dumps(routing), flush=True)
+    ep = expert_parallel(moe_model, build("llama", dense_hf), sizes, args) if sizes else {}
+    n_active = args.top_k * args.expert_width
+    report = dict(
+        command="python scripts/bench_moe.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        models=dict(
+            moe=dict(family="mixtral", **moe_hf),
+            dense=dict(family="llama", **dense_hf),
+            note=f"dense MLP width {n_active} = top_k x expert width: equal active MLP params",
+        ),
+        trace=dict(
+            prompts=args.prompts,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        ),
+        backend=jax.default_backend(),
+        jax_version=jax.__version__,
+        machine=dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            loadavg_1min_at_end=round(os.getloadavg()[0], 2),
+        ),
+        step_time=timing,
+        routing_overhead_by_bucket=routing,
+        expert_parallel=ep,
+    )
+    out = pathlib.Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
