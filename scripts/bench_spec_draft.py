@@ -23,6 +23,7 @@ import json
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 # "none_sync": no speculation with synchronous steps (speculation runs synchronously, so
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         print(json.dumps({s: results[s]}))
     record = {
-        "command": "python scripts/bench_spec_draft.py " + " ".join(argv or []),
+        "command": " ".join(["python scripts/bench_spec_draft.py", *(argv or sys.argv[1:])]),
         "args": vars(args),
         "machine": {"platform": platform.platform(), "processor": platform.processor()},
         "target": "demo Llama shape, random weights (hidden 256, 4 layers, vocab 259)",
