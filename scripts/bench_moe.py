@@ -2,6 +2,7 @@
 parameters, the routing overhead per step, expert-parallel bytes and collectives.
 
     python scripts/bench_moe.py --output docs/moe_cpu.json
+    python scripts/bench_moe.py --published --output docs/moe_tp_memory.json
 
 Random-weight models (nothing is downloaded), built in memory, reference attention:
 - MoE: a Mixtral of E experts, top-k, expert width F; dense: a Llama with the same
@@ -16,12 +17,16 @@ Random-weight models (nothing is downloaded), built in memory, reference attenti
   weights at N = 2, 4 against the total, and the collectives in the compiled TP step of
   the MoE model and of the dense model (the HLO's all-reduce / all-to-all / all-gather /
   reduce-scatter counts).
+- --published: per-device weight and expert bytes of released MoE shapes at N = 1, 2, 4,
+  8, from abstract models (nothing allocated), split by the families' partition rules
+  exactly as the loader places them; only this section runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import platform
@@ -30,6 +35,25 @@ import statistics
 import sys
 import time
 
+# config.json fields of released checkpoints (the Hugging Face hub's).
+PUBLISHED = {
+    "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8,
+                         num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=32768),
+    "Qwen1.5-MoE-A2.7B": dict(model_type="qwen2_moe", vocab_size=151936, hidden_size=2048,
+                              intermediate_size=5632, moe_intermediate_size=1408,
+                              shared_expert_intermediate_size=5632, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16,
+                              num_experts=60, num_experts_per_tok=4,
+                              max_position_embeddings=8192),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, head_dim=128,
+                          num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, max_position_embeddings=40960),
+}  # fmt: skip
 COLLECTIVES = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
 
 
@@ -46,6 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--devices", default="2,4", help="expert-parallel sizes to measure")
+    p.add_argument("--published", action="store_true", help="released shapes' bytes only")
     p.add_argument("--output", default="bench_results/moe.json")
     return p.parse_args(argv)
 
@@ -191,8 +216,57 @@ def expert_parallel(moe_model, dense_model, sizes: list[int], args: argparse.Nam
     return out
 
 
+def published_bytes(sizes: list[int], dtype: str = "bfloat16") -> list[dict]:
+    """Per (released model, N): weight and expert bytes per device, from abstract models."""
+    from flax import nnx
+
+    from paged_jax.models import model_class_for
+    from paged_jax.models.loader import abstract_model
+    from paged_jax.models.partitioning import per_device_param_bytes, tensor_parallel_config
+
+    rows = []
+    for name, hf in PUBLISHED.items():
+        cls = model_class_for(hf)
+        config = cls.config_from_hf(hf, {}, dtype)
+        for n in sizes:
+            try:
+                tp_config = tensor_parallel_config(config, n)
+            except ValueError as err:  # experts or heads that do not split whole
+                rows.append(dict(model=name, tensor_parallel_size=n, skipped=str(err)))
+                continue
+            _, state = abstract_model(cls, tp_config, "reference")
+            shapes = [
+                (path, tuple(v.get_value().shape), v.get_value().dtype.itemsize)
+                for path, v in nnx.to_flat_state(state)
+            ]
+            experts = [s for s in shapes if "experts" in map(str, s[0])]
+            total_experts = sum(math.prod(shape) * size for _, shape, size in experts)
+            per_device = per_device_param_bytes(experts, cls.partition_rules, n)
+            rows.append(
+                dict(
+                    model=name,
+                    tensor_parallel_size=n,
+                    num_params=sum(math.prod(shape) for _, shape, _ in shapes),
+                    weight_bytes_per_device=per_device_param_bytes(shapes, cls.partition_rules, n),
+                    expert_bytes_total=total_experts,
+                    expert_bytes_per_device=per_device,
+                    expert_fraction=round(per_device / total_experts, 6),
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.published:
+        rows = published_bytes([1, 2, 4, 8])
+        out = pathlib.Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        command = "python scripts/bench_moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
+        out.write_text(json.dumps(dict(command=command, dtype="bfloat16", rows=rows), indent=2))
+        print(f"wrote {out}")
+        return 0
     sizes = [int(n) for n in args.devices.split(",") if n]
     flags = os.environ.get("XLA_FLAGS", "")
     if sizes and "force_host_platform_device_count" not in flags:
