@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import platform
@@ -78,7 +79,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--model", default=None, help="HF checkpoint dir (default: a random Llama)")
     m.add_argument("--model-preset", default="tiny", choices=sorted(MODEL_PRESETS))
     p.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS)
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help="comma list of " + ",".join(SYSTEMS) + " (orca-*: the paged engine behind "
+        "contiguous reservations; contiguous-*: the dense-cache baseline engine)",
     )
     p.add_argument("--datasets", default=",".join(DATASET_NAMES), help="synthetic traces to serve")
     p.add_argument(
@@ -92,7 +96,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             default=DEFAULT_RATES.get(name, "1,2,4,8"),
             help=f"request rates (requests/s) for the {name} trace",
         )
-    p.add_argument("--num-requests", type=int, default=100, help="requests per trace")
+    p.add_argument(
+        "--duration-s",
+        type=float,
+        default=10.0,
+        help="arrivals span about this long at every rate: the run at rate R serves the "
+        "trace's first round(R x T) requests, so an overloaded system's queue grows over "
+        "the run as it would online (0: every rate serves --num-requests)",
+    )
+    p.add_argument(
+        "--num-requests", type=int, default=100, help="requests per trace with --duration-s 0"
+    )
     for name in (*DATASET_NAMES, "user"):
         p.add_argument(
             f"--num-requests-{name}",
@@ -155,8 +169,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         name: _float_list(p, f"--rates-{name}", getattr(args, f"rates_{name}"))
         for name in (*args.datasets, *(["user"] if args.trace_jsonl else []))
     }
+    if args.duration_s < 0:
+        p.error(f"--duration-s={args.duration_s} must be >= 0")
     args.requests = {
-        name: getattr(args, f"num_requests_{name}") or args.num_requests for name in args.rates
+        name: math.ceil(max(args.rates[name]) * args.duration_s)
+        if args.duration_s and name != "user"
+        else getattr(args, f"num_requests_{name}") or args.num_requests
+        for name in args.rates
     }
     if args.repeats < 1 or min(args.requests.values()) < 1 or args.unloaded_requests < 1:
         p.error(
@@ -262,9 +281,10 @@ class Worker:
             raise RuntimeError(f"{self.label} worker exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def serve(self, trace: str, rate: float, seed: int, unloaded: int) -> dict:
+    def serve(self, trace: str, rate: float, seed: int, num_requests: int) -> dict:
+        """One run over the trace's first num_requests (rate 0: one at a time)."""
         load = os.getloadavg()[0]
-        cmd = {"op": "serve", "trace": trace, "rate": rate, "seed": seed, "unloaded": unloaded}
+        cmd = {"op": "serve", "trace": trace, "rate": rate, "seed": seed, "n": num_requests}
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         result = self._read()
@@ -282,17 +302,26 @@ class Worker:
                 self.proc.wait()
 
 
+def requests_at(args: argparse.Namespace, trace: str, rate: float, num_trace: int) -> int:
+    """Requests served at `rate`: the unloaded prefix, about rate x duration, or all."""
+    if rate == 0:
+        return min(num_trace, args.unloaded_requests)
+    if args.duration_s and trace != "user":
+        return min(num_trace, max(2, round(rate * args.duration_s)))
+    return num_trace
+
+
 def sweep(
-    args: argparse.Namespace, workers: dict[str, Worker], trace: str, num_requests: int
-) -> tuple[list[dict], int, dict[str, Any]]:
+    args: argparse.Namespace, workers: dict[str, Worker], trace: str, num_trace: int
+) -> tuple[list[dict], dict[str, Any], dict[str, Any]]:
     """Rate 0 (unloaded), then every rate ascending; at each, --repeats rounds over the
     systems still active, started in rotated order.
 
-    Returns the points (one per run), the number of outputs that differ from the paged
-    engine's (or are missing), and per system the equal count of every run.
+    Returns the points (one per run), the output check (check_outputs) and per system
+    the equal count of every run.
     """
     points: list[dict] = []
-    runs: list[tuple[str, float, dict[str, list[int]]]] = []
+    runs: list[tuple[str, int, dict[str, list[int]]]] = []
     active = list(workers)
     for rate in [0.0, *args.rates[trace]]:
         if not active:
@@ -301,7 +330,8 @@ def sweep(
             seed = args.seed * 1000 + rep
             order = active[rep % len(active) :] + active[: rep % len(active)]
             for name in order:
-                res = workers[name].serve(trace, rate, seed, args.unloaded_requests)
+                n = requests_at(args, trace, rate, num_trace)
+                res = workers[name].serve(trace, rate, seed, n)
                 s = res["summary"]
                 print(
                     f"  {trace} rate {rate:g} rep {rep} {name}: "
@@ -310,7 +340,7 @@ def sweep(
                     flush=True,
                 )
                 points.append({"system": name, "trace": trace, "repeat": rep, **s})
-                runs.append((name, rate, res["outputs"]))
+                runs.append((name, n, res["outputs"]))
         curves = system_curves(points)
         bound = analyze_curves(curves, args.latency_factor)["main"]["bound_s_per_token"]
         for name in list(active):
@@ -318,20 +348,19 @@ def sweep(
             if last["rate"] == rate and last["median"] > args.stop_factor * bound:
                 active.remove(name)
                 print(f"  {name} saturated at {rate:g} req/s: stopped", flush=True)
-    mismatches, agreement = check_outputs(
-        runs, num_requests, min(num_requests, args.unloaded_requests)
-    )
-    return points, mismatches, agreement
+    check, agreement = check_outputs(runs)
+    return points, check, agreement
 
 
 def check_outputs(
-    runs: list[tuple[str, float, dict[str, list[int]]]], num_full: int, num_unloaded: int
-) -> tuple[int, dict[str, list[int]]]:
-    """Every run's outputs against the paged engine's first output of each request.
+    runs: list[tuple[str, int, dict[str, list[int]]]],
+) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Every run's outputs against the paged engine's output of each request.
 
-    A run must return all of its requests (the unloaded run the first num_unloaded, the
-    others all num_full); a missing or different output is a mismatch. Without a paged
-    run the first system's outputs are the reference.
+    runs: (system, requests it was given, its outputs). A run must return all of its
+    requests; a missing one or one that differs from the paged engine's is a mismatch.
+    Requests the paged engine never served (a rate it did not reach) are counted as
+    unchecked. Without a paged run the first system's outputs are the reference.
     """
     reference: dict[str, list[int]] = {}
     first = next((n for n, _, _ in runs if n == PAGED), runs[0][0] if runs else None)
@@ -339,13 +368,17 @@ def check_outputs(
         if name == first:
             for k, v in outs.items():
                 reference.setdefault(k, v)
-    mismatches, agreement = 0, {}
-    for name, rate, outs in runs:
-        expected = num_unloaded if rate == 0 else num_full
-        same = sum(reference.get(k) == v for k, v in outs.items())
+    check = {"mismatched": 0, "missing": 0, "unchecked": 0, "compared": 0}
+    agreement: dict[str, list[int]] = {}
+    for name, n, outs in runs:
+        known = [k for k in outs if k in reference]
+        same = sum(reference[k] == outs[k] for k in known)
         agreement.setdefault(name, []).append(same)
-        mismatches += expected - same
-    return mismatches, agreement
+        check["compared"] += len(known)
+        check["mismatched"] += len(known) - same
+        check["unchecked"] += len(outs) - len(known)
+        check["missing"] += n - len(outs)
+    return check, agreement
 
 
 def _source() -> dict:
@@ -388,10 +421,10 @@ def plan_text(args: argparse.Namespace, plan: dict[str, Any]) -> str:
         f"repeats {args.repeats}; unloaded point: {args.unloaded_requests} requests one at a time",
     ]
     for name, rates in args.rates.items():
-        lines.append(
-            f"{name}: {args.requests[name]} requests at rates "
-            f"{', '.join(f'{r:g}' for r in rates)} req/s"
+        per_rate = ", ".join(
+            f"{r:g} ({requests_at(args, name, r, args.requests[name])})" for r in rates
         )
+        lines.append(f"{name}: {args.requests[name]} requests; rate (requests): {per_rate}")
     return "\n".join(lines)
 
 
@@ -412,7 +445,10 @@ def build_report(
             "rates": args.rates[name],
             "curves": curves,
             "analysis": analyze_curves(curves, args.latency_factor) if curves else None,
-            "num_mismatched_outputs": res.get("mismatches", 0),
+            "output_check": res.get("check", {}),
+            "num_mismatched_outputs": sum(
+                res.get("check", {}).get(k, 0) for k in ("mismatched", "missing")
+            ),
             "greedy_output_agreement": res.get("agreement", {}),
             "points": res.get("points", []),
         }
@@ -491,13 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                 ready[NAMES[s]] = workers[NAMES[s]].ready
                 print(f"{NAMES[s]} ready (warm-up {ready[NAMES[s]]['warmup_s']:.1f} s)", flush=True)
             for trace in plan["traces"]:
-                n = len(build_trace(plan["traces"][trace]))
-                points, mismatches, agreement = sweep(args, workers, trace, n)
-                results[trace] = {
-                    "points": points,
-                    "mismatches": mismatches,
-                    "agreement": agreement,
-                }
+                num_trace = len(build_trace(plan["traces"][trace]))
+                points, check, agreement = sweep(args, workers, trace, num_trace)
+                results[trace] = {"points": points, "check": check, "agreement": agreement}
         finally:
             for w in workers.values():
                 w.close()

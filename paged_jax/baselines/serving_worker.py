@@ -4,8 +4,8 @@
 
 Builds and warms the system (as bench_worker does), draws every trace the spec names,
 prints one JSON line {"ready": ...}, then serves one online run per JSON line read from
-stdin ({"op": "serve", "trace": NAME, "rate": R, "seed": S, "unloaded": K}, rate 0: the
-first K requests served one at a time; or {"op": "quit"}), printing
+stdin ({"op": "serve", "trace": NAME, "rate": R, "seed": S, "n": N}: the trace's first N
+requests, at rate 0 one at a time; or {"op": "quit"}), printing
 one JSON line per run: its metrics, its per-request records and its outputs. A waiting
 worker blocks on stdin and uses no CPU, so the others' runs are timed undisturbed.
 """
@@ -72,15 +72,14 @@ def serve(
     trace: list[TraceRequest],
     rate: float,
     seed: int,
-    num_unloaded: int,
 ) -> dict[str, Any]:
     """One online run at `rate`: metrics, per-request (arrival, finish, tokens) and outputs.
 
-    rate 0 is the unloaded run: the trace's first `num_unloaded` requests, one at a time.
+    rate 0 is the unloaded run: the requests one at a time.
     """
     server = new_server()
     if rate == 0:
-        run = serve_unloaded(server, trace[:num_unloaded])
+        run = serve_unloaded(server, trace)
     else:
         run = serve_online(server, trace, poisson_arrivals(len(trace), rate, seed))
     records = [[r.request_id, r.arrival_s, r.finish_s, r.num_output_tokens] for r in run.records]
@@ -99,9 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        trace = traces[cmd["trace"]]
-        rate, seed = float(cmd["rate"]), int(cmd["seed"])
-        result = serve(new_server, trace, rate, seed, int(cmd.get("unloaded", 16)))
+        trace = traces[cmd["trace"]][: cmd.get("n")]
+        result = serve(new_server, trace, float(cmd["rate"]), int(cmd["seed"]))
         print(json.dumps(result), flush=True)
     return 0
 

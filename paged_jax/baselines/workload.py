@@ -1,8 +1,9 @@
-"""A ShareGPT-like synthetic trace: log-normal prompt and output lengths, random token ids.
+"""Synthetic traces: log-normal prompt and output lengths, random token ids; pure numpy.
 
-Real ShareGPT conversations have long-tailed lengths (the PagedAttention paper reports
-mean input 161 and mean output 338 tokens); this trace keeps the shape of that
-distribution and scales it down so a CPU run stays short. Pure numpy, no jax.
+WorkloadConfig: a ShareGPT-like trace with free parameters (the engine benchmark).
+DatasetTraceConfig: the PagedAttention paper's ShareGPT (mean input 161, output 338
+tokens) or Alpaca (19 / 58) shapes with every length and max_model_len scaled by one
+factor (the serving benchmark); load_jsonl_trace: a user's (prompt_len, output_len).
 """
 
 from __future__ import annotations

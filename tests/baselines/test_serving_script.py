@@ -25,7 +25,7 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
         "--model", str(tiny_hf_checkpoint("llama")),
         "--systems", "paged,orca-max,contiguous-max",
         "--datasets", "alpaca", "--scale", "0.0625",
-        "--num-requests", "6", "--unloaded-requests", "2",
+        "--duration-s", "0.1", "--unloaded-requests", "2",
         "--rates-alpaca", "40,400", "--repeats", "2",
         "--budget-max-requests", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
         "--output", str(out), "--figures", str(figs),
@@ -36,6 +36,9 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
     assert report["num_mismatched_outputs"] == 0 and report["plan"]["max_model_len"] == 128
     assert trace["greedy_output_agreement"]["paged-jax"][0] == 2  # the unloaded run
     assert set(trace["curves"]) == {"paged-jax", "orca-max", "contiguous-max"}
+    assert trace["output_check"]["compared"] > 0 and trace["output_check"]["missing"] == 0
+    sizes = {p["rate"]: p["num_requests"] for p in trace["points"]}
+    assert sizes == {0.0: 2, 40.0: 4, 400.0: 40}  # rate x duration
     paged_rates = [p["rate"] for p in trace["curves"]["paged-jax"]]
     assert paged_rates[0] == 0.0 and len(trace["curves"]["paged-jax"][0]["runs"]) == 2
     main = trace["analysis"]["main"]
