@@ -1,7 +1,7 @@
 """The draft-model method end to end: exact greedy outputs, the acceptance ceiling, config errors.
 
-Targets are the tiny Llama / Qwen2 checkpoints; drafts are the target's own first layer
-(truncate_checkpoint) or an independent smaller random model of the same vocabulary.
+Targets are the tiny Llama / Qwen2 checkpoints; drafts are an independent smaller random
+Llama of the same vocabulary, or the Qwen2 target's own first layer (truncate_checkpoint).
 Every engine runs with chunked prefill (a small token budget) and a pool small enough
 to preempt, and ends drained with the block manager's invariants holding.
 """
@@ -71,28 +71,38 @@ def _assert_drained(engine: Engine) -> None:
 
 
 @pytest.fixture(scope="module")
-def truncated_llama(tiny_hf_checkpoint, tmp_path_factory):
+def llama_engine(tiny_hf_checkpoint):
+    """A Llama target with an independent smaller random Llama draft (shared by the
+    greedy and the sampling test: one warm-up)."""
+    target = tiny_hf_checkpoint("llama")
+    return _engine(target, tiny_hf_checkpoint("llama", seed=7, **SMALL))
+
+
+@pytest.fixture(scope="module")
+def truncated_qwen2(tiny_hf_checkpoint, tmp_path_factory):
+    """The Qwen2 target's own first layer, saved as a checkpoint."""
     from paged_jax.spec_decode.draft_checkpoints import truncate_checkpoint
 
-    target = tiny_hf_checkpoint("llama")
-    return truncate_checkpoint(target, tmp_path_factory.mktemp("llama_1layer"), 1)
+    target = tiny_hf_checkpoint("qwen2")
+    return truncate_checkpoint(target, tmp_path_factory.mktemp("qwen2_1layer"), 1)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_greedy_with_draft_equals_transformers(
-    family, tiny_hf_checkpoint, truncated_llama, hf_greedy
-):
+def test_greedy_with_draft_equals_transformers(family, request, tiny_hf_checkpoint, hf_greedy):
     target = tiny_hf_checkpoint(family)
-    # Llama: the target's own first layer; Qwen2: an independent smaller random model.
-    draft = truncated_llama if family == "llama" else tiny_hf_checkpoint(family, seed=7, **SMALL)
+    if family == "llama":  # an independent smaller random model
+        engine = request.getfixturevalue("llama_engine")
+    else:  # the target's own first layer
+        draft = request.getfixturevalue("truncated_qwen2")
+        assert load_model(draft).config.num_hidden_layers == 1
+        engine = _engine(target, draft)
     prompts = _prompts()
-    engine = _engine(target, draft)
+    before = engine.get_stats()
     got = _run_greedy(engine, prompts)
     assert got == [hf_greedy(target, p, MAX_NEW) for p in prompts]
     stats = engine.get_stats()
-    assert stats["num_preemptions"] > 0, "the pool is meant to force preemption"
-    assert stats["spec_num_draft_tokens"] > 0, "the draft proposed nothing"
-    assert load_model(truncated_llama).config.num_hidden_layers == 1
+    assert stats["num_preemptions"] > before["num_preemptions"], "the pool must preempt"
+    assert stats["spec_num_draft_tokens"] > before["spec_num_draft_tokens"], "no drafts"
 
 
 def test_draft_equal_to_target_accepts_nearly_everything(tiny_hf_checkpoint):
@@ -131,7 +141,7 @@ def test_bad_draft_config_names_the_field(tiny_hf_checkpoint, tmp_path):
         EngineConfig(speculative_config={"model": str(target), "num_speculative_tokens": 0})
 
 
-def test_sampling_with_a_different_draft_follows_the_target(tiny_hf_checkpoint):
+def test_sampling_with_a_different_draft_follows_the_target(tiny_hf_checkpoint, llama_engine):
     """The second output token (the first one a draft proposes, accepted with min(1, p/q)
     or resampled from the residual) over seeded requests follows the target's exact
     marginal sum_x p(x | prompt) p(. | prompt, x), computed with transformers; a
@@ -143,9 +153,9 @@ def test_sampling_with_a_different_draft_follows_the_target(tiny_hf_checkpoint):
     from scipy import stats
 
     target = tiny_hf_checkpoint("llama")
-    draft = tiny_hf_checkpoint("llama", seed=7, **SMALL)
     temperature, n, prompt = 0.5, 800, [5, 9, 17, 33]
-    engine = _engine(target, draft, max_num_seqs=8, max_num_batched_tokens=32, num_kv_blocks=96)
+    engine = llama_engine
+    before = engine.get_stats()
     for i in range(n):
         params = SamplingParams(temperature=temperature, max_tokens=3, seed=i, ignore_eos=True)
         engine.add_request(str(i), prompt, params)
@@ -154,7 +164,8 @@ def test_sampling_with_a_different_draft_follows_the_target(tiny_hf_checkpoint):
         second += [o.token_ids[1] for o in engine.step()]
     _assert_drained(engine)
     stats_ = engine.get_stats()
-    drafted, accepted = stats_["spec_num_draft_tokens"], stats_["spec_num_accepted_tokens"]
+    drafted = stats_["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    accepted = stats_["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
     assert 0 < accepted < drafted, "both the accept and the resample path must run"
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
