@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The torch-free tests (kernels, Triton cross-lowering, host side, engine on SumModel,
+# The torch-free tests (kernels, Triton cross-lowering, worker, engine on SumModel,
 # models without transformers) again under Python 3.12 and the newest jax the package
 # allows, in .venv312 (created if missing). Only a Python 3.11 CPU torch lies on these
 # machines and any other torch pulls a multi-GB CUDA build, so this venv gets the
@@ -19,5 +19,9 @@ fi
 # CPU only: this venv may also hold the CUDA plugin of scripts/gpu_compile_check.sh, which
 # without a GPU would print a cuDNN traceback at jax's first use and then fall back anyway.
 export JAX_PLATFORMS=cpu
+# The folders whose code calls jax (kernels, models, the worker, the engine): the host-only
+# tests (tests/core) and the API tests (tests/llm, mostly torch-based) do not depend on
+# the jax version, and the default-Python suite runs them.
 exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
-  tests/pallas_kernels tests/core tests/worker tests/engine tests/models tests/llm "$@"
+  -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope \
+  tests/pallas_kernels tests/worker tests/engine tests/models "$@"
