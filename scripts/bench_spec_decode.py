@@ -85,7 +85,10 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
         "steps": stats["num_steps"] - before["num_steps"],
         "compiles_after_warmup": stats["num_compiles_after_warmup"],
         "step_time_ms": 1e3 * wall / max(stats["num_steps"] - before["num_steps"], 1),
+        # Medians since the engine started (warm-up steps excluded by the reset below).
+        "host_phase_time_ms": stats["host_phase_time_ms"],
     }
+    engine.reset_step_times()
     if "spec_num_draft_tokens" in stats:
         drafted = stats["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
         accepted = stats["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
