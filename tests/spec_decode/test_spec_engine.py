@@ -167,7 +167,6 @@ def test_swap_preemption_with_rejections_equals_reference():
     """Slow (its own engine's compiles, ~1 min on 2 cores): swap preemption."""
     engine = make_engine(OracleProposer(), preemption_mode="swap")
     ps = prompts(8, seed=2)
-    outs = run_all(engine)
     for rid, p in ps.items():
         engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=12))
     outs = run_all(engine)
@@ -260,3 +259,23 @@ def test_seeded_sampling_is_deterministic_and_equals_plain_without_drafts(
     first = tokens(run_requests(spec_engine, requests))
     spec_engine.proposer = OracleProposer()
     assert tokens(run_requests(spec_engine, requests)) == first
+
+
+def test_stop_strings_cut_accepted_drafts_like_the_plain_engine(spec_engine, plain_engine):
+    """A stop string completed inside a run of accepted drafts ends the request at the
+    token that completes it, as without speculation."""
+    prompt = [3, 8, 1]
+    ref = SumModel.reference_continuation(prompt, 30, VOCAB)
+    stop = f" {ref[6]} {ref[7]} "
+    spec_engine.proposer = OracleProposer(wrong_every=1000)
+    requests = {"s": (prompt, SamplingParams(temperature=0, max_tokens=30, stop=[stop]))}
+    got = {}
+    for name, engine in (("spec", spec_engine), ("plain", plain_engine)):
+        engine.detokenize = lambda ids: " " + " ".join(map(str, ids)) + " "
+        try:
+            got[name] = run_requests(engine, requests)["s"]
+        finally:
+            engine.detokenize = None
+    assert got["spec"].token_ids == got["plain"].token_ids
+    assert got["spec"].finish_reason == "stop" and got["spec"].stop_reason == stop
+    assert len(got["spec"].token_ids) < 30
