@@ -15,6 +15,16 @@ its expert's weights:
 Shapes depend only on T (the step's bucket) and k, so a new routing never recompiles;
 padding tokens are routed like any other row and never touch a real token's row.
 
+Two implementations of the grouped matmul, chosen per backend (`EXPERT_MATMUL`):
+
+- "ragged_dot": `jax.lax.ragged_dot` on the sorted rows. TPU lowers it to a grouped
+  matmul. CPU and GPU (XLA in jax 0.10-0.12) expand it to a dense product of every row
+  with every expert's weights under a group mask, so its cost grows with T*k*E.
+- "tiled" (`tiled_grouped_matmul`): each expert's sorted rows are padded to a multiple of
+  a row tile m, one expert's weights are gathered per tile and a batched matmul
+  f[tiles, m, D] x f[tiles, D, F] runs; the number of tiles is a static bound, so the
+  cost grows with T*k plus at most m - 1 padding rows per expert, not with E.
+
 Expert parallelism: the stacked expert weights f[E, ...] are split on E over the mesh's
 "tp" axis. Tokens arrive replicated (attention's output is all-reduced), so each device
 runs the same sort keeping only the assignments to its E/N experts (the rest sort past
@@ -26,7 +36,7 @@ because no token has to move.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -39,18 +49,33 @@ from paged_jax.models.layers import GatedMLP, activation, linear, matmul_precisi
 from paged_jax.models.partitioning import TP_AXIS
 from paged_jax.models.weights import WeightRule, stacked_torch_linears, torch_linear
 
+ExpertMatmul = Literal["ragged_dot", "tiled"]
+# The grouped matmul per jax platform: ragged_dot where XLA lowers it to a grouped matmul
+# (TPU); the tiled batched matmul where ragged_dot is a masked dense product over every
+# expert (CPU and GPU: scripts/gpu_compile_check.py records the H200 lowering).
+EXPERT_MATMUL: dict[str, ExpertMatmul] = {"tpu": "ragged_dot", "cpu": "tiled", "gpu": "tiled"}
+EXPERT_MATMULS: tuple[ExpertMatmul, ...] = ("ragged_dot", "tiled")
+
 __all__ = [
     "Experts",
     "MoEDecoderLayer",
     "RoutingPlan",
+    "EXPERT_MATMUL",
+    "EXPERT_MATMULS",
+    "ExpertMatmul",
     "SparseMoeBlock",
+    "TiledLayout",
     "combine_expert_outputs",
+    "default_expert_matmul",
     "expert_forward",
     "expert_parallel_forward",
     "moe_weight_rules",
     "route",
+    "set_expert_matmul",
     "set_expert_mesh",
     "sort_by_expert",
+    "tiled_grouped_matmul",
+    "tiled_layout",
 ]
 
 
@@ -133,6 +158,99 @@ def combine_expert_outputs(
     return jnp.zeros((num_tokens, y.shape[-1]), y.dtype).at[plan.tokens].add(scaled)
 
 
+def default_expert_matmul(platform: str | None = None) -> ExpertMatmul:
+    """EXPERT_MATMUL's choice for `platform` (default: jax's default backend); "cuda" and
+    "rocm" devices count as "gpu"; an unknown platform gets "tiled"."""
+    platform = platform or jax.default_backend()
+    platform = "gpu" if platform in ("cuda", "rocm") else platform
+    return EXPERT_MATMUL.get(platform, "tiled")
+
+
+@dataclasses.dataclass(frozen=True)
+class TiledLayout:
+    """Where each sorted row sits in the padded, tiled row buffer (a pytree of arrays).
+
+    Attributes:
+        slot: i32[T*k]: the padded slot of each sorted row; rows of other devices'
+            experts get num_tiles * m (out of range: dropped and never read back).
+        source: i32[num_tiles * m]: the sorted row each slot holds (padding slots: 0,
+            whose output is never read).
+        tile_expert: i32[num_tiles]: the local expert whose weights each tile uses.
+    """
+
+    slot: jax.Array
+    source: jax.Array
+    tile_expert: jax.Array
+
+
+jax.tree_util.register_dataclass(TiledLayout)
+
+
+def tile_rows_and_count(num_rows: int, num_groups: int) -> tuple[int, int]:
+    """The row tile m and the static tile count for `num_rows` rows in `num_groups` groups.
+
+    m is the power of two nearest above the mean group size (at most 128), so padding
+    costs at most m - 1 rows per non-empty group. Each non-empty group of n rows takes
+    cdiv(n, m) tiles, and at most min(G, rows) groups are non-empty, so at most
+    (rows + min(G, rows) * (m - 1)) // m tiles are ever used, whatever the routing.
+    """
+    mean = -(-num_rows // max(num_groups, 1))
+    m = min(128, 1 << max(mean - 1, 0).bit_length())
+    busy = min(num_groups, num_rows)
+    return m, max(1, (num_rows + busy * (m - 1)) // m)
+
+
+def tiled_layout(group_sizes: jax.Array, num_rows: int, m: int, num_tiles: int) -> TiledLayout:
+    """The padded layout of `num_rows` sorted rows in groups of `group_sizes` (i32[G])."""
+    g = group_sizes.shape[0]
+    padded = (group_sizes + m - 1) // m * m
+    start = jnp.cumsum(group_sizes) - group_sizes
+    padded_end = jnp.cumsum(padded)
+    padded_start = padded_end - padded
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), row, side="right").astype(jnp.int32)
+    local = group < g
+    safe = jnp.minimum(group, g - 1)
+    slot = jnp.where(local, padded_start[safe] + row - start[safe], num_tiles * m)
+    source = jnp.zeros(num_tiles * m, jnp.int32).at[slot].set(row, mode="drop")
+    tile_start = jnp.arange(num_tiles, dtype=jnp.int32) * m
+    tile_expert = jnp.searchsorted(padded_end, tile_start, side="right").astype(jnp.int32)
+    return TiledLayout(
+        slot=slot.astype(jnp.int32),
+        source=source,
+        tile_expert=jnp.minimum(tile_expert, g - 1),  # tiles past every group: unused
+    )
+
+
+def tiled_grouped_matmul(
+    rows: jax.Array,  # f[T*k, D] sorted by group
+    weights: tuple[jax.Array, ...],  # each f[G, D, F]
+    group_sizes: jax.Array,  # i32[G]
+    *,
+    precision: Any,
+    combine: Any,  # (f[tiles, m, F] per weight) -> f[tiles, m, F_out] before the last
+    last: jax.Array,  # f[G, F, D_out]
+) -> jax.Array:  # f[T*k, D_out], zeros for rows past sum(group_sizes)
+    """combine(rows @ w[g] for w in weights) @ last[g] per group g, by tiles of m rows.
+
+    Static shapes from T*k and G alone. Padding slots compute on a copy of row 0 and are
+    never read back; rows of other devices' experts come out as zeros.
+    """
+    n, d = rows.shape
+    m, num_tiles = tile_rows_and_count(n, group_sizes.shape[0])
+    layout = tiled_layout(group_sizes, n, m, num_tiles)
+    tiles = jnp.take(rows, layout.source, axis=0).reshape(num_tiles, m, d)
+    dot = dict(precision=precision, preferred_element_type=rows.dtype)
+
+    def per_tile(w):  # one expert's weights per tile
+        return jnp.take(w, layout.tile_expert, axis=0)
+
+    parts = [jnp.einsum("tmd,tdf->tmf", tiles, per_tile(w), **dot) for w in weights]
+    y = jnp.einsum("tmf,tfd->tmd", combine(*parts), per_tile(last), **dot)
+    y = y.reshape(num_tiles * m, -1)
+    return jnp.take(y, layout.slot, axis=0, mode="fill", fill_value=0)
+
+
 def expert_forward(
     x: jax.Array,  # f[T, D], replicated
     weights: jax.Array,  # f[T, k]
@@ -144,20 +262,34 @@ def expert_forward(
     hidden_act: str,
     precision: Any,
     first_expert: jax.Array | int = 0,
+    matmul: ExpertMatmul = "ragged_dot",
 ) -> jax.Array:  # f[T, D]
     """The summed output of experts [first_expert, first_expert + E_local) for every token.
 
     With every expert local (first_expert 0) this is the whole routed MLP; a device of an
     expert-parallel mesh passes its first expert and the psum adds the devices' parts.
+    `matmul` picks the grouped matmul (EXPERT_MATMULS); both give the same rows.
     """
+    if matmul not in EXPERT_MATMULS:
+        raise ValueError(f"matmul={matmul!r}: expected one of {EXPERT_MATMULS}")
     plan = sort_by_expert(experts, gate.shape[0], first_expert)
     rows = x[plan.tokens]  # f[T*k, D]
-    dot = dict(precision=precision, preferred_element_type=x.dtype)
     act = activation(hidden_act)
-    h = act(jax.lax.ragged_dot(rows, gate, plan.group_sizes, **dot)) * jax.lax.ragged_dot(
-        rows, up, plan.group_sizes, **dot
-    )
-    y = jax.lax.ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
+    if matmul == "tiled":
+        y = tiled_grouped_matmul(
+            rows,
+            (gate, up),
+            plan.group_sizes,
+            precision=precision,
+            combine=lambda g, u: act(g) * u,
+            last=down,
+        )
+    else:
+        dot = dict(precision=precision, preferred_element_type=x.dtype)
+        h = act(jax.lax.ragged_dot(rows, gate, plan.group_sizes, **dot)) * jax.lax.ragged_dot(
+            rows, up, plan.group_sizes, **dot
+        )
+        y = jax.lax.ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
     return combine_expert_outputs(y, weights, plan, x.shape[0])
 
 
@@ -203,6 +335,9 @@ class SparseMoeBlock(nnx.Module):
     Attributes:
         expert_mesh: the mesh whose "tp" axis splits the experts (set by
             `set_expert_mesh` when the model is sharded); None: one device.
+        expert_matmul: the grouped matmul (EXPERT_MATMULS); None: the choice of
+            `default_expert_matmul` for the platform the block runs on (the expert
+            mesh's devices, else jax's default backend). `set_expert_matmul` sets it.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -230,6 +365,14 @@ class SparseMoeBlock(nnx.Module):
             else linear(config.hidden_size, 1, bias=False, config=config, rngs=rngs)
         )
         self.expert_mesh: Mesh | None = None
+        self.expert_matmul: ExpertMatmul | None = None
+
+    def matmul(self) -> ExpertMatmul:
+        """The grouped matmul this block traces with."""
+        if self.expert_matmul is not None:
+            return self.expert_matmul
+        mesh = self.expert_mesh
+        return default_expert_matmul(None if mesh is None else mesh.devices.flat[0].platform)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f[..., D] -> f[..., D]
         shape = x.shape
@@ -245,7 +388,7 @@ class SparseMoeBlock(nnx.Module):
             self.experts.up_proj[...],
             self.experts.down_proj[...],
         )
-        static = dict(hidden_act=self.hidden_act, precision=self.precision)
+        static = dict(hidden_act=self.hidden_act, precision=self.precision, matmul=self.matmul())
         if self.expert_mesh is None:
             out = expert_forward(x, weights, experts, *params, **static)
         else:
@@ -270,6 +413,15 @@ def set_expert_mesh(model: Any, mesh: Mesh | None) -> None:
     for _, module in nnx.iter_graph(model):
         if isinstance(module, SparseMoeBlock):
             module.expert_mesh = mesh
+
+
+def set_expert_matmul(model: Any, matmul: ExpertMatmul | None) -> None:
+    """Makes every SparseMoeBlock of `model` trace with `matmul` (None: per platform)."""
+    if matmul is not None and matmul not in EXPERT_MATMULS:
+        raise ValueError(f"matmul={matmul!r}: expected one of {EXPERT_MATMULS} or None")
+    for _, module in nnx.iter_graph(model):
+        if isinstance(module, SparseMoeBlock):
+            module.expert_matmul = matmul
 
 
 def moe_weight_rules(

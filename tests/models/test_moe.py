@@ -17,7 +17,15 @@ from safetensors.numpy import load_file, save_file
 from paged_jax import LLM, SamplingParams
 from paged_jax.models import load_model
 from paged_jax.models.config import MoEConfig
-from paged_jax.models.moe import expert_forward, route, sort_by_expert
+from paged_jax.models.moe import (
+    EXPERT_MATMULS,
+    default_expert_matmul,
+    expert_forward,
+    route,
+    set_expert_matmul,
+    sort_by_expert,
+    tile_rows_and_count,
+)
 from paged_jax.testing.tiny_models import MOE_FAMILIES
 
 F32_ATOL = 1e-4
@@ -50,7 +58,9 @@ def test_moe_logits_match_transformers(family, overrides, sparse, tiny_hf_checkp
     model = load_model(path)
     assert model.config.model_type == family
     assert model.config.moe.sparse_layers == sparse
-    assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL
+    for matmul in EXPERT_MATMULS:  # both grouped matmuls, whichever the backend picks
+        set_expert_matmul(model, matmul)
+        assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL, matmul
 
 
 def _skewed_copy(src, dst, family: str):
@@ -89,7 +99,9 @@ def test_one_hot_expert_and_idle_expert_match_transformers(
     experts = np.asarray(experts)
     assert (experts == 0).any(-1).all(), "every token should pick expert 0"
     assert not (experts == moe.experts.gate_proj.shape[0] - 1).any(), "the last expert idles"
-    assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL
+    for matmul in EXPERT_MATMULS:
+        set_expert_matmul(model, matmul)
+        assert max_diff_vs_hf(model, path, hf_logits) <= F32_ATOL, matmul
 
 
 def _loop_reference(x, weights, experts, gate, up, down):
@@ -103,7 +115,8 @@ def _loop_reference(x, weights, experts, gate, up, down):
     return out
 
 
-def test_grouped_matmul_equals_per_token_loop_and_shards_sum_to_whole():
+@pytest.mark.parametrize("matmul", EXPERT_MATMULS)
+def test_grouped_matmul_equals_per_token_loop_and_shards_sum_to_whole(matmul):
     rng = np.random.default_rng(0)
     t, d, f, e, k = 13, 8, 6, 8, 2
     x = rng.normal(size=(t, d)).astype(np.float32)
@@ -112,7 +125,7 @@ def test_grouped_matmul_equals_per_token_loop_and_shards_sum_to_whole():
     # Expert 3 gets most tokens, expert 5 none.
     experts = np.stack([np.full(t, 3), rng.choice([0, 1, 2, 4, 6, 7], t)], -1).astype(np.int32)
     weights = rng.uniform(size=(t, k)).astype(np.float32)
-    static = dict(hidden_act="silu", precision=jax.lax.Precision.HIGHEST)
+    static = dict(hidden_act="silu", precision=jax.lax.Precision.HIGHEST, matmul=matmul)
     whole = np.asarray(expert_forward(x, weights, experts, gate, up, down, **static))
     np.testing.assert_allclose(
         whole, _loop_reference(x, weights, experts, gate, up, down), atol=1e-4
@@ -151,6 +164,60 @@ def test_grouped_matmul_equals_per_token_loop_and_shards_sum_to_whole():
     )
     # Equal up to float32 rounding: jax 0.12's CPU dot blocks a taller operand differently.
     np.testing.assert_allclose(np.asarray(padded)[:t], whole, rtol=0, atol=1e-5)
+
+
+def test_tiled_and_ragged_dot_matmuls_agree_on_random_routing():
+    """The two grouped matmuls on random routings (skewed, uniform, one expert for all,
+    decode-sized and prefill-sized token counts), whole and per expert-parallel shard,
+    under one jit each: routing is data, so a new routing does not retrace."""
+    rng = np.random.default_rng(7)
+    d, f, e, k = 16, 12, 8, 2
+    gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(e, f, d)).astype(np.float32)
+    traces = []
+
+    def run(matmul, shards):
+        def fn(x, w, ids):
+            traces.append(matmul)
+            n = e // shards
+            return sum(
+                expert_forward(
+                    x, w, ids, gate[j * n : (j + 1) * n], up[j * n : (j + 1) * n],
+                    down[j * n : (j + 1) * n], first_expert=j * n, hidden_act="silu",
+                    precision=jax.lax.Precision.HIGHEST, matmul=matmul,
+                )
+                for j in range(shards)
+            )  # fmt: skip
+
+        return jax.jit(fn)
+
+    fns = {(mm, s): run(mm, s) for mm in EXPERT_MATMULS for s in (1, 4)}
+    for t in (1, 40):
+        for p in (None, [0.7] + [0.3 / (e - 1)] * (e - 1), [1.0] + [0.0] * (e - 1)):
+            x = rng.normal(size=(t, d)).astype(np.float32)
+            w = rng.uniform(size=(t, k)).astype(np.float32)
+            ids = np.stack([rng.choice(e, size=t, p=p) for _ in range(k)], -1).astype(np.int32)
+            out = {key: np.asarray(fn(x, w, ids)) for key, fn in fns.items()}
+            ref = _loop_reference(x, w, ids, gate, up, down)
+            for key, got in out.items():
+                np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-4, err_msg=str(key))
+            np.testing.assert_allclose(out["tiled", 1], out["ragged_dot", 1], rtol=1e-6, atol=1e-5)
+    assert len(traces) == 2 * len(fns), "one trace per token count, not per routing"
+
+
+def test_tile_count_bounds_every_routing_and_backend_choice():
+    for rows, groups in ((1, 8), (2, 8), (32, 8), (512, 8), (4096, 128), (7, 3)):
+        m, tiles = tile_rows_and_count(rows, groups)
+        assert m & (m - 1) == 0 and 1 <= m <= 128
+        # the worst case: as many non-empty groups as possible, each one row past a tile
+        busy = min(groups, rows)
+        worst = [1] * busy
+        worst[0] += rows - busy
+        assert sum(-(-n // m) for n in worst) <= tiles
+    assert default_expert_matmul("tpu") == "ragged_dot"
+    assert default_expert_matmul("cpu") == default_expert_matmul("cuda") == "tiled"
+    with pytest.raises(ValueError, match="matmul='dense'"):
+        set_expert_matmul(None, "dense")
 
 
 def test_router_semantics_per_family():
