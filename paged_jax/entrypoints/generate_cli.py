@@ -843,7 +843,7 @@ def _spec_summary(stats: dict[str, Any]) -> dict[str, Any]:
         "spec_draft_tokens": stats["spec_num_draft_tokens"],
         "spec_accepted_tokens": stats["spec_num_accepted_tokens"],
         "spec_acceptance_rate": round(stats["spec_acceptance_rate"], 3),
-        "spec_acceptance_per_position": [
+        "spec_accept_per_position": [
             round(x, 3) for x in stats["spec_acceptance_rate_per_position"]
         ],
     }
