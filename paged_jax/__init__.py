@@ -3,7 +3,8 @@
 The top level is the user's API, shaped like vLLM's: ``LLM`` and ``SamplingParams`` to
 generate (``StructuredOutputsParams`` to constrain an output), ``BeamSearchParams`` for
 beam search, the outputs they return,
-``EngineConfig`` / ``Engine`` / ``PagedModel`` to serve a model of one's own, and the
+``EngineConfig`` / ``Engine`` / ``PagedModel`` to serve a model of one's own
+(``SpeculativeConfig`` for speculative decoding), and the
 host block manager (``KVCacheManager``, ``BlockPool``, ``KVCacheBlock``, ``Request``)
 for research on its own. Everything else lives in ``paged_jax.core`` (host) and
 ``paged_jax.worker`` (device). Importing this package never imports jax: ``LLM`` and
@@ -25,6 +26,7 @@ from paged_jax.core.request import Request, RequestStatus
 from paged_jax.model_api import PagedModel, PagedModelConfig
 from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.spec_decode.proposer import SpeculativeConfig
 from paged_jax.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -88,5 +90,6 @@ __all__ = [
     "RequestOutput",
     "RequestStatus",
     "SamplingParams",
+    "SpeculativeConfig",
     "StructuredOutputsParams",
 ]

@@ -17,6 +17,7 @@ PUBLIC = {
     "Engine": "paged_jax.engine",
     "EngineConfig": "paged_jax.config",
     "SamplingParams": "paged_jax.sampling_params",
+    "SpeculativeConfig": "paged_jax.spec_decode.proposer",
     "StructuredOutputsParams": "paged_jax.structured_outputs",
     "BeamSearchParams": "paged_jax.beam_search",
     "BeamSearchOutput": "paged_jax.beam_search",
