@@ -55,6 +55,8 @@ ExpertMatmul = Literal["ragged_dot", "tiled"]
 # expert (CPU and GPU: scripts/gpu_compile_check.py records the H200 lowering).
 EXPERT_MATMUL: dict[str, ExpertMatmul] = {"tpu": "ragged_dot", "cpu": "tiled", "gpu": "tiled"}
 EXPERT_MATMULS: tuple[ExpertMatmul, ...] = ("ragged_dot", "tiled")
+# The jax.named_scope of the grouped matmul: its ops' op_name in HLO metadata carries it.
+EXPERT_MATMUL_SCOPE = "moe_expert_matmul"
 
 __all__ = [
     "Experts",
@@ -62,6 +64,7 @@ __all__ = [
     "RoutingPlan",
     "EXPERT_MATMUL",
     "EXPERT_MATMULS",
+    "EXPERT_MATMUL_SCOPE",
     "ExpertMatmul",
     "SparseMoeBlock",
     "TiledLayout",
@@ -275,21 +278,22 @@ def expert_forward(
     plan = sort_by_expert(experts, gate.shape[0], first_expert)
     rows = x[plan.tokens]  # f[T*k, D]
     act = activation(hidden_act)
-    if matmul == "tiled":
-        y = tiled_grouped_matmul(
-            rows,
-            (gate, up),
-            plan.group_sizes,
-            precision=precision,
-            combine=lambda g, u: act(g) * u,
-            last=down,
-        )
-    else:
-        dot = dict(precision=precision, preferred_element_type=x.dtype)
-        h = act(jax.lax.ragged_dot(rows, gate, plan.group_sizes, **dot)) * jax.lax.ragged_dot(
-            rows, up, plan.group_sizes, **dot
-        )
-        y = jax.lax.ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
+    with jax.named_scope(EXPERT_MATMUL_SCOPE):  # names its ops in the compiled HLO
+        if matmul == "tiled":
+            y = tiled_grouped_matmul(
+                rows,
+                (gate, up),
+                plan.group_sizes,
+                precision=precision,
+                combine=lambda g, u: act(g) * u,
+                last=down,
+            )
+        else:
+            dot = dict(precision=precision, preferred_element_type=x.dtype)
+            h = act(jax.lax.ragged_dot(rows, gate, plan.group_sizes, **dot)) * jax.lax.ragged_dot(
+                rows, up, plan.group_sizes, **dot
+            )
+            y = jax.lax.ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
     return combine_expert_outputs(y, weights, plan, x.shape[0])
 
 

@@ -5,14 +5,17 @@ parameters, the routing overhead per step, expert-parallel bytes and collectives
     python scripts/bench_moe.py --published --output docs/moe_tp_memory.json
 
 Random-weight models (nothing is downloaded), built in memory, reference attention:
-- MoE: a Mixtral of E experts, top-k, expert width F; dense: a Llama with the same
-  attention and an MLP of width k * F, so both run the same matmul FLOPs per token in an
-  ideal grouped matmul. Both serve the same trace (fixed prompts, greedy, ignore_eos)
-  through LLM.generate after warm-up, interleaved over rounds; the figure is wall time
-  over engine steps.
+- MoE: a Mixtral of E experts, top-k, expert width F, once per grouped matmul
+  (moe_tiled: the tiled batched matmul; moe_ragged_dot: jax.lax.ragged_dot; same
+  weights); dense: a Llama with the same attention and an MLP of width k * F, so all
+  run the same matmul FLOPs per token in an ideal grouped matmul. All serve the same
+  trace (fixed prompts, greedy, ignore_eos) through LLM.generate after warm-up,
+  interleaved over rounds; the figure is wall time over engine steps (median and range
+  over the rounds).
 - Routing overhead: the sort (argsort + bincount), the row gather and the weighted
   scatter-add of one MoE layer, jitted alone at each bucket of the trace, times the
-  number of MoE layers; beside it the whole expert block (with the three ragged_dots).
+  number of MoE layers (the tiled path adds its padded layout: tiled_layout_s); beside
+  it the whole expert block with each grouped matmul.
 - Expert parallelism (on forced CPU devices): per-device bytes of the stacked expert
   weights at N = 2, 4 against the total, and the collectives in the compiled TP step of
   the MoE model and of the dense model (the HLO's all-reduce / all-to-all / all-gather /
@@ -139,7 +142,15 @@ def routing_overhead(model, buckets: list[int], repeats: int = 50) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from paged_jax.models.moe import combine_expert_outputs, route, sort_by_expert
+    from paged_jax.models.moe import (
+        EXPERT_MATMULS,
+        combine_expert_outputs,
+        route,
+        set_expert_matmul,
+        sort_by_expert,
+        tile_rows_and_count,
+        tiled_layout,
+    )
 
     block = model.layers[0].mlp
     moe = model.config.moe
@@ -151,10 +162,19 @@ def routing_overhead(model, buckets: list[int], repeats: int = 50) -> dict:
         rows = x[plan.tokens]  # the gather; the expert matmuls would read these rows
         return combine_expert_outputs(rows, weights, plan, x.shape[0])
 
+    @jax.jit
+    def layout_only(experts):
+        n = experts.size
+        m, tiles = tile_rows_and_count(n, e)
+        return tiled_layout(sort_by_expert(experts, e).group_sizes, n, m, tiles)
+
     from flax import nnx
 
-    graphdef, state = nnx.split(block)
-    whole = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    wholes = {}
+    for matmul in EXPERT_MATMULS:
+        set_expert_matmul(block, matmul)
+        graphdef, state = nnx.split(block)
+        wholes[matmul] = jax.jit(lambda state, x, g=graphdef: nnx.merge(g, state)(x))
 
     def median_s(fn, *a) -> float:
         jax.block_until_ready(fn(*a))
@@ -172,7 +192,8 @@ def routing_overhead(model, buckets: list[int], repeats: int = 50) -> dict:
         weights, experts = route(block.router(x), k, norm_topk_prob=True, weight_dtype="float32")
         out[t] = dict(
             routing_s_per_layer=median_s(routing_only, x, weights, experts),
-            moe_block_s_per_layer=median_s(whole, state, x),
+            tiled_layout_s_per_layer=median_s(layout_only, experts),
+            **{f"moe_block_{mm}_s_per_layer": median_s(fn, state, x) for mm, fn in wholes.items()},
         )
     return out
 
@@ -278,10 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     moe_hf, dense_hf = hf_configs(args)
     prompts = trace(args)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llms = {
-        "moe": LLM(build("mixtral", moe_hf), **engine_kwargs(args)),
-        "dense": LLM(build("llama", dense_hf), **engine_kwargs(args)),
-    }
+    from paged_jax.models.moe import set_expert_matmul
+
+    llms = {}
+    for matmul in ("tiled", "ragged_dot"):
+        model = build("mixtral", moe_hf)  # the same seed: the same weights
+        set_expert_matmul(model, matmul)
+        llms[f"moe_{matmul}"] = LLM(model, **engine_kwargs(args))
+    llms["dense"] = LLM(build("llama", dense_hf), **engine_kwargs(args))
     runs: dict[str, list[dict]] = {name: [] for name in llms}
     for _ in range(args.rounds):
         for name, llm in llms.items():
@@ -295,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
             steps_per_trace=samples[0]["steps"],
             compiles_after_warmup=llms[name].get_stats()["num_compiles_after_warmup"],
         )
-    timing["moe_over_dense_step"] = round(
-        timing["moe"]["step_median_s"] / timing["dense"]["step_median_s"], 3
+    for name in ("moe_tiled", "moe_ragged_dot"):
+        timing[f"{name}_over_dense_step"] = round(
+            timing[name]["step_median_s"] / timing["dense"]["step_median_s"], 3
+        )
+    timing["ragged_dot_over_tiled_step"] = round(
+        timing["moe_ragged_dot"]["step_median_s"] / timing["moe_tiled"]["step_median_s"], 3
     )
     print(json.dumps(timing), flush=True)
     moe_model = build("mixtral", moe_hf)
@@ -304,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     routing = routing_overhead(moe_model, buckets)
     for row in routing.values():
         row["routing_s_per_step"] = row["routing_s_per_layer"] * args.layers
-        row["moe_blocks_s_per_step"] = row["moe_block_s_per_layer"] * args.layers
-        row["routing_share_of_moe_blocks"] = round(
-            row["routing_s_per_layer"] / row["moe_block_s_per_layer"], 3
-        )
+        for mm in ("tiled", "ragged_dot"):
+            block = row[f"moe_block_{mm}_s_per_layer"]
+            row[f"moe_blocks_{mm}_s_per_step"] = block * args.layers
+            extra = row["tiled_layout_s_per_layer"] if mm == "tiled" else 0.0
+            row[f"routing_share_of_moe_blocks_{mm}"] = round(
+                (row["routing_s_per_layer"] + extra) / block, 3
+            )
     print(json.dumps(routing), flush=True)
     ep = expert_parallel(moe_model, build("llama", dense_hf), sizes, args) if sizes else {}
     n_active = args.top_k * args.expert_width

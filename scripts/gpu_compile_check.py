@@ -23,6 +23,14 @@ own shared-memory estimate (``mosaic_decode.smem_bytes`` of its default tiling) 
 the limit; registers and spills read "deferred to load time" (``deferred``), which is not
 a failure.
 
+Mixture-of-experts steps ("step-mixtral-tiny-...", "step-qwen3moe-...": a tiny Mixtral and
+two layers at Qwen3-30B-A3B's shape; each grouped matmul of paged_jax.models.moe, and
+experts split over two devices) add ``moe_lowering`` to their rows: the matrix-multiply
+ops XLA made of the experts' grouped matmul (the ops under moe.EXPERT_MATMUL_SCOPE in the
+optimized HLO: fusion kind or custom-call target, shape, and the rows x contraction of
+each), which shows whether ``jax.lax.ragged_dot`` became a grouped GEMM or a dense
+product over every expert.
+
 Needs the CUDA plugin and the NVIDIA assemblers in the venv (scripts/gpu_compile_check.sh
 installs them) and JAX_PLATFORMS=cpu, so no CUDA client is ever created.
 
@@ -133,6 +141,7 @@ class Case:
             (the Mosaic GPU kernels).
         num_layers: Step cases: the model's depth (0: the model's two layers).
         scan_layers: Step cases: EngineConfig.scan_layers (False: layers unrolled).
+        expert_matmul: MoE step cases: the grouped matmul (moe.EXPERT_MATMULS).
     """
 
     name: str
@@ -154,6 +163,7 @@ class Case:
     backend: str = "triton"
     num_layers: int = 0
     scan_layers: bool = True
+    expert_matmul: str = ""
 
     @property
     def q_dtype(self) -> str:
@@ -289,7 +299,28 @@ def steps() -> list[Case]:
              context=32768, prefill=(449,), tp=2),
         Case("step-llama8b-decode-s256-tp2", "step", model="llama8b", batch=256,
              context=32768, decode_only=True, tp=2),
-    ] + depth_steps()  # fmt: skip
+    ] + depth_steps() + moe_steps()  # fmt: skip
+
+
+def moe_steps() -> list[Case]:
+    """Mixture-of-experts steps, mixed bucket: a tiny Mixtral (8 experts, top 2) and two
+    layers at Qwen3-30B-A3B's shape (128 experts of width 768, top 8), each with the tiled
+    grouped matmul and with jax.lax.ragged_dot, and the tiny Mixtral's experts split over
+    two devices. The first is --grid ci's."""
+    tiny = dict(model="mixtral-tiny", head_dim=64, group=2, batch=64, context=4096, prefill=(449,))
+    qwen = dict(model="qwen3moe", group=8, batch=64, context=32768, prefill=(449,))
+    return [
+        Case("step-mixtral-tiny-mixed-t512-s64-tiled", "step", expert_matmul="tiled", **tiny),
+        Case("step-mixtral-tiny-mixed-t512-s64-ragged_dot", "step",
+             expert_matmul="ragged_dot", **tiny),
+        Case("step-mixtral-tiny-mixed-t512-s64-tiled-ep2", "step", expert_matmul="tiled",
+             tp=2, **tiny),
+        Case("step-mixtral-tiny-mixed-t512-s64-ragged_dot-ep2", "step",
+             expert_matmul="ragged_dot", tp=2, **tiny),
+        Case("step-qwen3moe-mixed-t512-s64-tiled", "step", expert_matmul="tiled", **qwen),
+        Case("step-qwen3moe-mixed-t512-s64-ragged_dot", "step", expert_matmul="ragged_dot",
+             **qwen),
+    ]  # fmt: skip
 
 
 def depth_steps() -> list[Case]:
@@ -334,7 +365,7 @@ def grid_ci() -> list[Case]:
         for c in steps()
         if c.model == "llama8b" and (c.tp == 1 or c.decode_only) and c.scan_layers
     ]
-    return cases + llama + mosaic_cases()[:1] + probes()
+    return cases + llama + moe_steps()[:1] + mosaic_cases()[:1] + probes()
 
 
 GRIDS = {"ci": grid_ci, "full": grid_full}
@@ -420,6 +451,7 @@ ROW_KEYS = (
     "tp",
     "collectives",
     "deferred",
+    "moe_lowering",
 )
 
 
@@ -782,6 +814,51 @@ def collectives(dump: pathlib.Path) -> dict[str, int]:
     return out
 
 
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) ([a-z][\w-]*)\(([^)]*)\)")
+_DIMS = re.compile(r"\[([\d,]*)\]")
+_BACKEND_KIND = re.compile(r'"kind":"(__\w+)"|custom_call_target="([^"]+)"')
+
+
+def moe_lowering(dump: pathlib.Path, scope: str, matmul: str) -> dict:
+    """The matrix multiplies XLA made of the ops under `scope` in the optimized HLO.
+
+    Each op reads "<op> <fusion kind or custom-call target> <output shape>" (distinct
+    ones, in order), e.g. a Triton GEMM fusion or a cuBLAS custom call; a dot adds its
+    contraction length K and multiply-adds (output elements x K), which tell a grouped
+    GEMM (K = D) from a dense product over every expert (K = E x D).
+    """
+    ops: list[str] = []
+    for path in sorted(dump.glob("*gpu_after_optimizations.txt")):
+        text = path.read_text()
+        shapes = {m.group(1): m.group(2) for m in map(_HLO_OP.match, text.splitlines()) if m}
+        for line in text.splitlines():
+            if f"/{scope}/" not in line and f"{scope}/" not in line:
+                continue
+            m = _HLO_OP.match(line)
+            if not m:
+                continue
+            shape, op = m.group(2), m.group(3)
+            kinds = [a or b for a, b in _BACKEND_KIND.findall(line)]
+            kind = next((k for k in kinds if "gemm" in k or "dot" in k or "matmul" in k), "")
+            if op not in ("dot", "custom-call") and not kind:
+                continue
+            entry = f"{op} {kind or '-'} {re.sub(r'[{][^}]*[}]', '', shape)}"
+            contracting = re.search(r"lhs_contracting_dims=[{]([\d,]*)[}]", line)
+            lhs = shapes.get(m.group(4).split(",")[0].strip().lstrip("%"), "")
+            if op == "dot" and contracting and _DIMS.search(lhs):
+                dims = [int(x) for x in _DIMS.search(lhs).group(1).split(",") if x]
+                k = 1
+                for i in contracting.group(1).split(","):
+                    k *= dims[int(i)]
+                out = 1
+                for x in _DIMS.search(shape).group(1).split(","):
+                    out *= int(x) if x else 1
+                entry += f" K={k} macs={out * k:.3g}"
+            if entry not in ops:
+                ops.append(entry)
+    return dict(matmul=matmul, ops=ops[:16], num_ops=len(ops))
+
+
 def kernel_ptx(dump: pathlib.Path) -> dict[str, pathlib.Path]:
     """Entry name -> the dumped PTX file that defines it, for our kernels."""
     out = {}
@@ -891,6 +968,15 @@ MODEL_HF = {
     "gemma2": dict(hidden_size=3584, num_attention_heads=16, num_key_value_heads=8,
                    head_dim=256, intermediate_size=14336, vocab_size=256000,
                    num_hidden_layers=2),
+    "mixtral-tiny": dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4,
+                         intermediate_size=1024, vocab_size=1024, num_hidden_layers=2,
+                         num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=4096),
+    # Qwen3-30B-A3B's config.json at two layers
+    "qwen3moe": dict(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                     vocab_size=151936, num_hidden_layers=2, max_position_embeddings=40960),
 }  # fmt: skip
 
 
@@ -907,15 +993,25 @@ def step_fn_and_args(case: Case, t: Target):
     from paged_jax.model_api import model_kv_cache_groups
     from paged_jax.models import LlamaForCausalLM
     from paged_jax.models.gemma import Gemma2ForCausalLM
+    from paged_jax.models.mixtral import MixtralForCausalLM
+    from paged_jax.models.moe import set_expert_matmul
+    from paged_jax.models.qwen3_moe import Qwen3MoeForCausalLM
     from paged_jax.worker.input_batch import InputBatch
     from paged_jax.worker.runner import Runner
 
-    cls = {"llama8b": LlamaForCausalLM, "gemma2": Gemma2ForCausalLM}[case.model]
+    cls = {
+        "llama8b": LlamaForCausalLM,
+        "gemma2": Gemma2ForCausalLM,
+        "mixtral-tiny": MixtralForCausalLM,
+        "qwen3moe": Qwen3MoeForCausalLM,
+    }[case.model]
     hf = dict(MODEL_HF[case.model])
     if case.num_layers:
         hf["num_hidden_layers"] = case.num_layers
     config = cls.config_from_hf(hf, {}, "bfloat16")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), attention_backend="pallas"))
+    if case.expert_matmul:
+        set_expert_matmul(model, case.expert_matmul)
     engine_config = EngineConfig(
         block_size=case.block_size,
         num_kv_blocks=64,  # the runner's own (concrete) caches; replaced by specs below
@@ -975,6 +1071,7 @@ def compile_only_tensor_parallel(model, tp: int):
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding
 
+    from paged_jax.models.moe import set_expert_mesh
     from paged_jax.models.partitioning import TP_AXIS, param_shardings, tensor_parallel_config
     from paged_jax.worker import runner as runner_module
     from paged_jax.worker.sharding import KV_CACHE_SPEC, REPLICATED, TensorParallel
@@ -987,6 +1084,7 @@ def compile_only_tensor_parallel(model, tp: int):
             self.mesh = Mesh(np.array(topology(tp)), (TP_AXIS,))
             self.size = tp
             self.model = self.with_weight_specs(model)
+            set_expert_mesh(self.model, self.mesh)  # as shard_model: experts per device
             self.replicated_fallbacks = []
             self.kv_sharding = NamedSharding(self.mesh, KV_CACHE_SPEC)
             self.replicated = NamedSharding(self.mesh, REPLICATED)
@@ -1150,6 +1248,11 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
         compile_s = time.perf_counter() - start
         launches, ptx = kernel_launches(dump), kernel_ptx(dump)
         comms = collectives(dump) if is_step else None
+        lowering = None
+        if case.expert_matmul:
+            from paged_jax.models.moe import EXPERT_MATMUL_SCOPE
+
+            lowering = moe_lowering(dump, EXPERT_MATMUL_SCOPE, case.expert_matmul)
         rows = []
         for name in sorted(launches):
             row = base_row(case, name)
@@ -1161,6 +1264,7 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
                 smem_bytes=launch["smem"],
                 compile_s=round(compile_s, 2),
                 collectives=comms,
+                moe_lowering=lowering,
             )
             if name in ptx:
                 row["regs_nvjitlink"], row["spill_bytes_nvjitlink"] = nvjitlink_stats(

@@ -44,7 +44,9 @@ def test_full_grid_covers_what_users_run():
     assert max(c.context for c in attn) == 32768
     mixed = [c for c in attn if c.kernel == "ragged" and c.prefill and c.batch > len(c.prefill)]
     assert mixed, "ragged mixes of prefill chunks and decode tokens"
-    assert {c.model for c in cases if c.kernel == "step"} == {"llama8b", "gemma2"}
+    assert {c.model for c in cases if c.kernel == "step"} == {
+        "llama8b", "gemma2", "mixtral-tiny", "qwen3moe",
+    }  # fmt: skip
     # every kernel at every dtype and head_dim, the non-power-of-two ones included
     for kernel in ("decode", "ragged", "write_kv", "copy_blocks"):
         have = {(c.dtype, c.head_dim) for c in cases if c.kernel == kernel}
@@ -462,3 +464,54 @@ def test_markdown_table_of_a_mosaic_row():
         "| mosaic-decode-bf16-d128-g4-bs16-b64x2k | paged_decode_attention_mosaic "
     )
     assert "| 97x8x1 | 4 | deferred to load time | deferred to load time | 188,672 |" in line
+
+
+def test_grids_hold_moe_steps_with_each_grouped_matmul():
+    from paged_jax.models.moe import EXPERT_MATMULS
+
+    moe = [c for c in gcc.grid_full() if c.expert_matmul]
+    assert {(c.model, c.expert_matmul) for c in moe} == {
+        (m, mm) for m in ("mixtral-tiny", "qwen3moe") for mm in EXPERT_MATMULS
+    }
+    assert {c.expert_matmul for c in moe if c.tp == 2} == set(EXPERT_MATMULS)
+    ci = [c for c in gcc.grid_ci() if c.expert_matmul]
+    assert [c.name for c in ci] == ["step-mixtral-tiny-mixed-t512-s64-tiled"]
+    assert gcc.MODEL_HF["qwen3moe"]["num_experts"] == 128  # Qwen3-30B-A3B's layer shape
+
+
+def test_moe_lowering_reads_the_scoped_matmuls(tmp_path):
+    meta = 'metadata={op_name="jit(step)/while/body/moe_expert_matmul/ragged_dot_general"}'
+    (tmp_path / "m.gpu_after_optimizations.txt").write_text(
+        "  %f = bf16[512,128,2048]{2,1,0} fusion(%x), kind=kLoop, " + meta + "\n"
+        "  %g = f32[8,512,768]{2,1,0} fusion(%a, %b), kind=kCustom, " + meta
+        + ', backend_config={"fusion_backend_config":{"kind":"__triton_nested_gemm_fusion"}}\n'
+        '  %c = (bf16[64,32]{1,0}, s8[0]{0}) custom-call(%p, %q), custom_call_target="__cublas$gemm", '
+        'metadata={op_name="jit(step)/moe_expert_matmul/dot_general"}\n'
+        '  %d = bf16[64,32]{1,0} dot(%p, %q), metadata={op_name="jit(step)/mlp/dot_general"}\n'
+    )  # fmt: skip
+    got = gcc.moe_lowering(tmp_path, "moe_expert_matmul", "ragged_dot")
+    assert got == dict(
+        matmul="ragged_dot",
+        ops=[
+            "fusion __triton_nested_gemm_fusion f32[8,512,768]",
+            "custom-call __cublas$gemm (bf16[64,32], s8[0])",
+        ],
+        num_ops=2,
+    )
+
+
+@pytest.mark.skipif(
+    isinstance(gcc.find_toolchain(), str), reason=f"no CUDA toolchain: {gcc.find_toolchain()}"
+)
+def test_tiny_moe_step_compiles_for_an_h200(tmp_path):
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    cmd = [sys.executable, str(SCRIPT), "--grid", "ci", "--only", "^step-mixtral-tiny",
+           "--output", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    assert rows and all(r["status"] == "ok" for r in rows) and report["failures"] == []
+    lowering = rows[0]["moe_lowering"]
+    assert lowering["matmul"] == "tiled" and lowering["num_ops"] >= 3, lowering
