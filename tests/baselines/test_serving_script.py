@@ -50,3 +50,15 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
     orca = [p for p in trace["points"] if p["system"] == "orca-max"]
     assert max(p["max_running"] for p in orca) <= 2  # budget: 2 max-length reservations
     assert (figs / "serving_alpaca.png").stat().st_size > 0
+
+
+def test_output_check_counts_mismatched_missing_and_unchecked():
+    check_outputs = _load_script().check_outputs
+    runs = [
+        ("paged-jax", 2, {"a": [1, 2], "b": [3]}),
+        ("orca-max", 2, {"a": [1, 2], "b": [4]}),  # b differs
+        ("orca-max", 3, {"a": [1, 2], "c": [5]}),  # b missing, c never served by paged
+    ]
+    check, agreement = check_outputs(runs)
+    assert check == {"mismatched": 1, "missing": 1, "unchecked": 1, "compared": 5}
+    assert agreement == {"paged-jax": [2], "orca-max": [1, 1]}
