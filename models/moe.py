@@ -18,8 +18,9 @@ padding tokens are routed like any other row and never touch a real token's row.
 Two implementations of the grouped matmul, chosen per backend (`EXPERT_MATMUL`):
 
 - "ragged_dot": `jax.lax.ragged_dot` on the sorted rows. TPU lowers it to a grouped
-  matmul. CPU and GPU (XLA in jax 0.10-0.12) expand it to a dense product of every row
-  with every expert's weights under a group mask, so its cost grows with T*k*E.
+  matmul. XLA's CPU backend and its GPU backend (jax 0.12, compiled for an H200 by
+  scripts/gpu_compile_check.py) expand it to a dense product of every row with every
+  expert's weights under a group mask, so its cost grows with T*k*E.
 - "tiled" (`tiled_grouped_matmul`): each expert's sorted rows are padded to a multiple of
   a row tile m, one expert's weights are gathered per tile and a batched matmul
   f[tiles, m, D] x f[tiles, D, F] runs; the number of tiles is a static bound, so the
