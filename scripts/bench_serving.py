@@ -34,7 +34,14 @@ import time
 from typing import Any
 
 from paged_jax.baselines.hf_generate import MODEL_PRESETS, llama_num_parameters
-from paged_jax.baselines.serving import PAGED, analyze_curves, plot_latency_curves, system_curves
+from paged_jax.baselines.serving import (
+    FANOUT_KINDS,
+    PAGED,
+    analyze_curves,
+    plot_fanout_curves,
+    plot_latency_curves,
+    system_curves,
+)
 from paged_jax.baselines.serving_worker import build_trace
 from paged_jax.baselines.workload import (
     DATASET_NAMES,
@@ -155,8 +162,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="JAX compilation cache shared by the workers (default: a temp dir); warm-up only",
     )
+    p.add_argument(
+        "--workload",
+        default="plain",
+        help="comma list of plain (one sequence a request), parallel (each request asks "
+        "for n samples: SamplingParams(n), seeded) and beam (beam search of width n); the "
+        "paper's Figure 14 question. parallel / beam serve each n of --fanouts at the "
+        "trace's rates divided by n, write their curves under 'fanout' and draw "
+        "serving_parallel.png",
+    )
+    p.add_argument("--fanouts", default="2,4,6", help="n of parallel sampling and beam width")
+    p.add_argument(
+        "--replot",
+        default=None,
+        metavar="JSON",
+        help="redraw the figures of a saved run into --figures; measures nothing",
+    )
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
+    args.workload = tuple(w.strip() for w in args.workload.split(",") if w.strip())
+    if not args.workload or any(w not in FANOUT_KINDS for w in args.workload):
+        p.error(f"--workload={','.join(args.workload)!r} must list some of {FANOUT_KINDS}")
+    try:
+        args.fanouts = sorted({int(v) for v in args.fanouts.split(",") if v.strip()})
+    except ValueError:
+        args.fanouts = []
+    if not args.fanouts or not 1 <= args.fanouts[0] <= args.fanouts[-1] <= 10:
+        p.error(f"--fanouts={args.fanouts!r} must be a comma list of ints in [1, 10]")
+    if set(args.workload) - {"plain"} and any(
+        not (s == "paged" or s.startswith("orca-")) for s in args.systems.split(",")
+    ):
+        p.error("--workload parallel / beam serve the paged engine and orca-* systems only")
     args.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
     if any(s not in SYSTEMS for s in args.systems) or not args.systems:
         p.error(f"--systems={','.join(args.systems)!r} must list some of {SYSTEMS}")
@@ -281,10 +317,20 @@ class Worker:
             raise RuntimeError(f"{self.label} worker exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def serve(self, trace: str, rate: float, seed: int, num_requests: int) -> dict:
-        """One run over the trace's first num_requests (rate 0: one at a time)."""
+    def serve(
+        self,
+        trace: str,
+        rate: float,
+        seed: int,
+        num_requests: int,
+        kind: str = "plain",
+        fanout: int = 1,
+    ) -> dict:
+        """One run over the trace's first num_requests (rate 0: one at a time), each
+        request one sequence, `fanout` parallel samples or `fanout` beams (kind)."""
         load = os.getloadavg()[0]
         cmd = {"op": "serve", "trace": trace, "rate": rate, "seed": seed, "n": num_requests}
+        cmd.update(kind=kind, fanout=fanout)
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
         result = self._read()
@@ -302,6 +348,14 @@ class Worker:
                 self.proc.wait()
 
 
+def fanout_rates(rates: list[float], kind: str, fanout: int) -> list[float]:
+    """The rates a fanout sweep serves: the trace's divided by n (n sequences a request),
+    so every n meets its knee within the same grid."""
+    if kind == "plain":
+        return list(rates)
+    return [round(r / fanout, 3) for r in rates]
+
+
 def requests_at(args: argparse.Namespace, trace: str, rate: float, num_trace: int) -> int:
     """Requests served at `rate`: the unloaded prefix, about rate x duration, or all."""
     if rate == 0:
@@ -312,10 +366,16 @@ def requests_at(args: argparse.Namespace, trace: str, rate: float, num_trace: in
 
 
 def sweep(
-    args: argparse.Namespace, workers: dict[str, Worker], trace: str, num_trace: int
+    args: argparse.Namespace,
+    workers: dict[str, Worker],
+    trace: str,
+    num_trace: int,
+    kind: str = "plain",
+    fanout: int = 1,
 ) -> tuple[list[dict], dict[str, Any], dict[str, Any]]:
     """Rate 0 (unloaded), then every rate ascending; at each, --repeats rounds over the
-    systems still active, started in rotated order.
+    systems still active, started in rotated order. With a fanout (kind "parallel" or
+    "beam", fanout n) every rate of the trace is divided by n: n sequences a request.
 
     Returns the points (one per run), the output check (check_outputs) and per system
     the equal count of every run.
@@ -323,7 +383,7 @@ def sweep(
     points: list[dict] = []
     runs: list[tuple[str, int, dict[str, list[int]]]] = []
     active = list(workers)
-    for rate in [0.0, *args.rates[trace]]:
+    for rate in [0.0, *fanout_rates(args.rates[trace], kind, fanout)]:
         if not active:
             break
         for rep in range(args.repeats):
@@ -331,15 +391,18 @@ def sweep(
             order = active[rep % len(active) :] + active[: rep % len(active)]
             for name in order:
                 n = requests_at(args, trace, rate, num_trace)
-                res = workers[name].serve(trace, rate, seed, n)
+                res = workers[name].serve(trace, rate, seed, n, kind, fanout)
                 s = res["summary"]
+                label = trace if kind == "plain" else f"{trace} {kind} {fanout}"
                 print(
-                    f"  {trace} rate {rate:g} rep {rep} {name}: "
+                    f"  {label} rate {rate:g} rep {rep} {name}: "
                     f"{s['mean_normalized_latency_s'] * 1e3:.1f} ms/token, "
                     f"max batch {s['max_running']}, {s['wall_s']:.1f} s",
                     flush=True,
                 )
-                points.append({"system": name, "trace": trace, "repeat": rep, **s})
+                points.append({"system": name, "trace": trace, "repeat": rep, "kind": kind, **s})
+                if kind != "plain":
+                    points[-1]["fanout"] = fanout
                 runs.append((name, n, res["outputs"]))
         curves = system_curves(points)
         bound = analyze_curves(curves, args.latency_factor)["main"]["bound_s_per_token"]
@@ -496,9 +559,99 @@ def ratio_text(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+DISPLAY = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
+
+
+def replot(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Draws a report's figures into --figures: serving_<trace>.png per plain trace and
+    serving_parallel.png for the fanout sweeps (from the JSON alone)."""
+    fig_dir = pathlib.Path(args.figures or "docs/figures")
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    budget = report["plan"]["kv_budget_tokens"]
+    scale = report["settings"]["scale"]
+    for name, t in report["traces"].items():
+        if not t["analysis"]:
+            continue
+        s = t["summary"]
+        what = "User trace" if name == "user" else f"{DISPLAY.get(name, name)}-like trace"
+        title = (
+            f"{what} x{scale:g}: prompt mean {s['input_mean']:.0f}, output "
+            f"mean {s['output_mean']:.0f} tokens; KV {budget} slots"
+        )
+        path = fig_dir / f"serving_{name}.png"
+        plot_latency_curves(t["curves"], t["analysis"], path, title=title)
+        print(f"drew {path}")
+    for trace, kinds in report.get("fanout", {}).items():
+        what = "User trace" if trace == "user" else f"{DISPLAY.get(trace, trace)}-like trace"
+        path = fig_dir / (
+            "serving_parallel.png" if trace == "alpaca" else f"serving_{trace}_parallel.png"
+        )
+        plot_fanout_curves(kinds, path, title=f"{what} x{scale:g}, KV {budget} slots")
+        print(f"drew {path}")
+
+
+def fanout_report(
+    args: argparse.Namespace, results: dict[str, dict[str, dict[int, dict[str, Any]]]]
+) -> dict[str, Any]:
+    """Per trace, kind and n: curves, analysis, output check and the block tally."""
+    report: dict[str, Any] = {}
+    for trace, kinds in results.items():
+        for kind, ns in kinds.items():
+            for n, res in ns.items():
+                curves = system_curves(res["points"])
+                blocks = {}
+                for system in curves:
+                    mine = [p for p in res["points"] if p["system"] == system]
+                    blocks[system] = {
+                        "peak_physical_blocks": max(p.get("peak_physical_blocks", 0) for p in mine),
+                        "peak_logical_blocks": max(p.get("peak_logical_blocks", 0) for p in mine),
+                        "blocks_saved_by_sharing": [
+                            round(p.get("blocks_saved_by_sharing", 0.0), 4) for p in mine
+                        ],
+                        "max_running_sequences": max(p["max_running"] for p in mine),
+                        "num_preemptions": sum(p.get("num_preemptions", 0) for p in mine),
+                        "num_compiles_after_warmup": sum(
+                            p.get("num_compiles_after_warmup") or 0 for p in mine
+                        ),
+                    }
+                report.setdefault(trace, {}).setdefault(kind, {})[str(n)] = {
+                    "rates": fanout_rates(args.rates[trace], kind, n),
+                    "curves": curves,
+                    "analysis": analyze_curves(curves, args.latency_factor) if curves else None,
+                    "blocks": blocks,
+                    "output_check": res["check"],
+                    "num_mismatched_outputs": res["check"].get("mismatched", 0)
+                    + res["check"].get("missing", 0),
+                    "points": res["points"],
+                }
+    return report
+
+
+def fanout_text(report: dict[str, Any]) -> str:
+    lines = []
+    for trace, kinds in report.get("fanout", {}).items():
+        for kind, ns in kinds.items():
+            for n, e in ns.items():
+                a = e["analysis"]
+                if not a:
+                    continue
+                rates = a["main"]["sustained"]
+                text = ", ".join(
+                    f"{k} {v['rate']:.2f}{'+' if v['lower_bound_only'] else ''}"
+                    for k, v in rates.items()
+                )
+                ratio = a["main"]["paged_over"].get("orca-oracle", {}).get("ratio")
+                shown = "n/a" if ratio is None else f"{ratio:.2f}x"
+                lines.append(f"{trace} {kind} n={n}: {text} req/s; paged / Oracle {shown}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.perf_counter()
+    if args.replot:
+        replot(args, json.loads(pathlib.Path(args.replot).read_text()))
+        return 0
     if args.model:
         model_config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
     else:
@@ -508,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return 0
     results: dict[str, dict[str, Any]] = {}
+    fanout_results: dict[str, dict[str, dict[int, dict[str, Any]]]] = {}
     ready: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_serving_") as tmp:
         model_dir = build_model(args, pathlib.Path(tmp))
@@ -528,33 +682,38 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{NAMES[s]} ready (warm-up {ready[NAMES[s]]['warmup_s']:.1f} s)", flush=True)
             for trace in plan["traces"]:
                 num_trace = len(build_trace(plan["traces"][trace]))
-                points, check, agreement = sweep(args, workers, trace, num_trace)
-                results[trace] = {"points": points, "check": check, "agreement": agreement}
+                if "plain" in args.workload:
+                    points, check, agreement = sweep(args, workers, trace, num_trace)
+                    results[trace] = {"points": points, "check": check, "agreement": agreement}
+                for kind in args.workload:
+                    if kind == "plain":
+                        continue
+                    for n in args.fanouts:
+                        points, check, agreement = sweep(args, workers, trace, num_trace, kind, n)
+                        fanout_results.setdefault(trace, {}).setdefault(kind, {})[n] = {
+                            "points": points,
+                            "check": check,
+                            "agreement": agreement,
+                        }
         finally:
             for w in workers.values():
                 w.close()
     report = build_report(args, plan, results, ready, model_config)
+    if "plain" not in args.workload:
+        report["traces"] = {}
+    report["fanout"] = fanout_report(args, fanout_results)
+    report["num_mismatched_outputs"] += sum(
+        e["num_mismatched_outputs"] for kinds in report["fanout"].values()
+        for ns in kinds.values() for e in ns.values()
+    )  # fmt: skip
     report["total_wall_s"] = time.perf_counter() - t0
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     if args.figures:
-        fig_dir = pathlib.Path(args.figures)
-        fig_dir.mkdir(parents=True, exist_ok=True)
-        for name, t in report["traces"].items():
-            if not t["analysis"]:
-                continue
-            s = t["summary"]
-            title = (
-                f"{name}-like trace x{args.scale:g}: prompt mean {s['input_mean']:.0f}, output "
-                f"mean {s['output_mean']:.0f} tokens; KV {plan['kv_budget_tokens']} slots"
-            )
-            if name == "user":
-                title = title.replace("user-like", "user")
-            plot_latency_curves(
-                t["curves"], t["analysis"], fig_dir / f"serving_{name}.png", title=title
-            )
+        replot(args, report)
     print(ratio_text(report))
+    print(fanout_text(report))
     print(f"wrote {out} (total {report['total_wall_s']:.0f} s)")
     if report["num_mismatched_outputs"]:
         n = report["num_mismatched_outputs"]

@@ -15,12 +15,14 @@ import dataclasses
 import math
 import statistics
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from paged_jax.baselines.workload import TraceRequest
+from paged_jax.constants import is_int
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:  # f64[n]
@@ -38,14 +40,24 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:  
     return np.cumsum(gaps)
 
 
+def num_output_tokens(tokens: Sequence[Any]) -> int:
+    """Output length of a finished request: its tokens, or one sample's when it returns
+    one token list per sample or beam (normalized latency divides by a sequence's length,
+    as the paper does for parallel sampling and beam search)."""
+    if tokens and isinstance(tokens[0], (list, tuple)):
+        return max(len(t) for t in tokens)
+    return len(tokens)
+
+
 class Server(Protocol):
     """What the driver needs of a serving system (continuous batching inside step())."""
 
     def add(self, req: TraceRequest) -> None:
         """Queues an arrived request."""
 
-    def step(self) -> list[tuple[str, list[int]]]:
-        """One scheduling + model step; returns (request id, tokens) of finished requests."""
+    def step(self) -> list[tuple[str, list[Any]]]:
+        """One scheduling + model step; returns (request id, tokens) of finished requests
+        (tokens: one list of ids, or one list per sample / beam)."""
 
     def has_unfinished(self) -> bool:
         """Whether any added request has not been returned by step() yet."""
@@ -124,7 +136,9 @@ def serve_online(
         for request_id, tokens in finished:
             i, req = by_id[request_id]
             outputs[request_id] = list(tokens)
-            records.append(RequestRecord(request_id, float(arrivals[i]), done, len(tokens)))
+            records.append(
+                RequestRecord(request_id, float(arrivals[i]), done, num_output_tokens(tokens))
+            )
     return OnlineRun(records, outputs, clock() - t0, num_steps, max_running)
 
 
@@ -151,7 +165,9 @@ def serve_unloaded(
             num_steps += 1
             for request_id, tokens in finished:
                 outputs[request_id] = list(tokens)
-                records.append(RequestRecord(request_id, arrival, clock() - t0, len(tokens)))
+                records.append(
+                    RequestRecord(request_id, arrival, clock() - t0, num_output_tokens(tokens))
+                )
     return OnlineRun(records, outputs, clock() - t0, num_steps, 1)
 
 
@@ -357,9 +373,82 @@ def plot_latency_curves(
     ax.set_xlim(left=0)
     ax.set_xlabel("request rate (requests/s)")
     ax.set_ylabel("mean normalized latency (s/token)")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title="sustained rate under the bound", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_fanout_curves(
+    kinds: dict[str, dict[str, dict[str, Any]]],
+    path: Any,
+    *,
+    title: str,
+    cap_factor: float = 2.5,
+) -> None:
+    """The paper's Figure 14 layout: one panel per (workload, n), rows parallel sampling
+    and beam search, columns n; in each, mean normalized latency against request rate for
+    every system, its bound dashed and its sustained rates and paged / Oracle ratio in
+    the legend.
+
+    Args:
+        kinds: {kind: {str(n): {"curves": ..., "analysis": ...}}}, as bench_serving
+            writes under "fanout".
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [k for k in ("parallel", "beam") if k in kinds]
+    cols = sorted({int(n) for k in rows for n in kinds[k]})
+    fig, axes = plt.subplots(
+        len(rows), len(cols), figsize=(3.6 * len(cols), 3.2 * len(rows)), dpi=120, squeeze=False
+    )
+    styles = {PAGED: ("tab:red", "o", "paged"), "orca-oracle": ("tab:blue", "s", "Orca (Oracle)")}
+    heading = {"parallel": "Parallel sampling, n = {}", "beam": "Beam search, width {}"}
+    for r, kind in enumerate(rows):
+        for c, n in enumerate(cols):
+            ax = axes[r][c]
+            entry = kinds[kind].get(str(n))
+            if not entry or not entry.get("analysis"):
+                ax.set_axis_off()
+                continue
+            main = entry["analysis"]["main"]
+            bound = main["bound_s_per_token"]
+            cap = cap_factor * bound
+            for name, pts in entry["curves"].items():
+                shown = []
+                for p in pts:
+                    shown.append(p)
+                    if p["median"] > cap:
+                        break
+                color, marker, label = styles.get(name, ("tab:gray", "x", name))
+                ys = [min(p["median"], cap * 1.05) for p in shown]
+                lo = [y - min(p["min"], cap * 1.05) for p, y in zip(shown, ys)]
+                hi = [min(p["max"], cap * 1.05) - y for p, y in zip(shown, ys)]
+                sus = main["sustained"][name]
+                more = "+" if sus["lower_bound_only"] else ""
+                ax.errorbar(
+                    [p["rate"] for p in shown], ys, yerr=[lo, hi], color=color, marker=marker,
+                    ms=4, capsize=2, label=f"{label}: {sus['rate']:.1f}{more} req/s",
+                )  # fmt: skip
+            ax.axhline(bound, color="black", ls="--", lw=1)
+            ratio = main["paged_over"].get("orca-oracle", {}).get("ratio")
+            extra = "" if ratio is None else f"  (paged / Oracle {ratio:.2f}x)"
+            ax.set_title(heading[kind].format(n) + extra, fontsize=9)
+            ax.set_ylim(0, cap * 1.08)
+            ax.set_xlim(left=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, title="sustained rate", title_fontsize=7, loc="upper left")
+            if r == len(rows) - 1:
+                ax.set_xlabel("request rate (requests/s)", fontsize=8)
+            if c == 0:
+                ax.set_ylabel("normalized latency (s/token)", fontsize=8)
+            ax.tick_params(labelsize=7)
+    fig.suptitle(title + "; dashed: the latency bound", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -379,6 +468,10 @@ class PagedServer:
         self.engine.kv_cache_manager.reset_prefix_cache()
         stats = self.engine.get_stats()
         self._start = (self.engine.scheduler.num_preemptions, stats["num_compiles_after_warmup"])
+        self.blocks = dict.fromkeys(
+            ("logical_block_steps", "physical_block_steps", "peak_logical_blocks",
+             "peak_physical_blocks"), 0
+        )  # fmt: skip
 
     def add(self, req: TraceRequest) -> None:
         from paged_jax.sampling_params import SamplingParams
@@ -386,8 +479,22 @@ class PagedServer:
         params = SamplingParams(temperature=0.0, max_tokens=req.num_output_tokens, ignore_eos=True)
         self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)
 
-    def step(self) -> list[tuple[str, list[int]]]:
-        return [(o.request_id, o.token_ids) for o in self.engine.step()]
+    def step(self) -> list[tuple[str, list[Any]]]:
+        finished = [(o.request_id, o.token_ids) for o in self.engine.step()]
+        self.count_blocks()
+        return finished
+
+    def count_blocks(self) -> None:
+        """Adds this step's blocks to the sharing tally: the blocks the running sequences
+        point at (each counted once per sequence: what they would hold unshared) and the
+        blocks the pool has handed out (shared ones once)."""
+        kv = self.engine.kv_cache_manager
+        logical = sum(kv.get_num_blocks(r) for r in self.engine.scheduler.running)
+        physical = kv.num_usable_blocks - kv.num_free_blocks
+        self.blocks["logical_block_steps"] += logical
+        self.blocks["physical_block_steps"] += physical
+        self.blocks["peak_logical_blocks"] = max(self.blocks["peak_logical_blocks"], logical)
+        self.blocks["peak_physical_blocks"] = max(self.blocks["peak_physical_blocks"], physical)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
@@ -397,13 +504,179 @@ class PagedServer:
         return len(self.engine.scheduler.running)
 
     def extra(self) -> dict[str, Any]:
-        """Preemptions and compiles during this server's run, and the KV peak."""
+        """Preemptions and compiles during this server's run, the KV peak, and how many
+        blocks sharing saved (1 - held / pointed-at, over all steps)."""
         stats = self.engine.get_stats()
+        b = self.blocks
+        saved = (
+            1 - b["physical_block_steps"] / b["logical_block_steps"]
+            if b["logical_block_steps"]
+            else 0.0
+        )
         return {
             "num_preemptions": self.engine.scheduler.num_preemptions - self._start[0],
-            "num_compiles_after_warmup": stats["num_compiles_after_warmup"] - self._start[1],
+            "num_compiles_after_warmup": None  # an engine that never warmed up counts none
+            if self._start[1] is None
+            else stats["num_compiles_after_warmup"] - self._start[1],
             "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
+            **b,
+            "blocks_saved_by_sharing": saved,
         }
+
+
+def request_seed(request_id: str) -> int:
+    """The sampling seed of a request, from its id alone, so every system draws the same
+    samples for it (sample j then uses seed + j, the engine's rule)."""
+    return zlib.crc32(request_id.encode())
+
+
+class ParallelSamplingServer(PagedServer):
+    """Parallel sampling: each request asks for n samples (SamplingParams(n=n)), random
+    sampling at temperature 1 with a seed from its id; the engine prefills the prompt once
+    and forks the samples, which share the prompt's blocks (copy on write). Returns the
+    n samples' tokens, in sample order."""
+
+    def __init__(self, system: Any, n: int):
+        if not (is_int(n) and n >= 1):
+            raise ValueError(f"n={n!r} must be an int >= 1 (samples per request)")
+        super().__init__(system)
+        self.n = n
+
+    def add(self, req: TraceRequest) -> None:
+        from paged_jax.sampling_params import SamplingParams
+
+        params = SamplingParams(
+            n=self.n,
+            temperature=1.0,
+            seed=request_seed(req.request_id),
+            max_tokens=req.num_output_tokens,
+            ignore_eos=True,
+        )
+        self.engine.add_request(req.request_id, list(req.prompt_token_ids), params)
+
+    def step(self) -> list[tuple[str, list[Any]]]:
+        finished = []
+        for o in self.engine.step():
+            samples = o.samples if o.samples else [o]
+            finished.append((o.request_id, [list(s.token_ids) for s in samples]))
+        self.count_blocks()
+        return finished
+
+
+@dataclasses.dataclass
+class _OnlineSearch:
+    search: Any  # paged_jax.beam_search.BeamSearch
+    prompt: list[int]
+    request_ids: list[str]  # one engine request per running beam
+    step: int = 0
+
+
+class BeamSearchServer(PagedServer):
+    """Beam search served online: each arrived request starts a search of `width` beams
+    (paged_jax.beam_search.BeamSearch: HF semantics, EOS ignored, exactly the trace's
+    output length), searches that arrived at different times share the engine's steps.
+
+    Every step each live beam is one engine request that computes one token and reports
+    its top candidates; the search picks the next beams; each survivor is a fork of its
+    parent (sharing its blocks, the prompt's and every common output token's, copy on
+    write) and each loser is aborted. Steps run synchronously (a fork needs the step's
+    candidates before the next step). Returns each search's beams' generated tokens,
+    best first.
+    """
+
+    def __init__(self, system: Any, width: int):
+        from paged_jax.beam_search import BeamSearchParams
+
+        BeamSearchParams(beam_width=width, max_tokens=1)  # checks width
+        super().__init__(system)
+        self.width = width
+        self.searches: dict[str, _OnlineSearch] = {}
+        self.logprobs: dict[str, list[dict[int, float]]] = {}  # finished beams' logprobs
+        self.num_ids = 0
+
+    def _engine_params(self, search: Any) -> Any:
+        from paged_jax.sampling_params import SamplingParams
+
+        # The search decides every token; the engine computes the candidates.
+        return SamplingParams(
+            temperature=0.0,
+            max_tokens=search.max_tokens + 1,
+            ignore_eos=True,
+            logprobs=search.num_candidates,
+        )
+
+    def add(self, req: TraceRequest) -> None:
+        from paged_jax.beam_search import BeamSearch, BeamSearchParams
+
+        params = BeamSearchParams(
+            beam_width=self.width, max_tokens=req.num_output_tokens, ignore_eos=True
+        )
+        prompt = list(req.prompt_token_ids)
+        search = BeamSearch(len(prompt), params, self.engine.eos_token_ids)
+        rid = f"{req.request_id}#0-0"
+        self.engine.add_request(rid, prompt, self._engine_params(search))
+        self.searches[req.request_id] = _OnlineSearch(search, prompt, [rid])
+
+    def step(self) -> list[tuple[str, list[Any]]]:
+        with self.engine.synchronous():
+            outs = self.engine.step()
+        self.count_blocks()
+        for o in outs:
+            self.logprobs[o.request_id] = o.logprobs or []
+        finished = []
+        for request_id in list(self.searches):
+            state = self.searches[request_id]
+            entries = [self._first_entry(rid) for rid in state.request_ids]
+            if any(e is None for e in entries):
+                continue  # a beam is still prefilling (or was preempted): wait for it
+            self._advance(request_id, state, entries)
+            if state.search.done:
+                beams = state.search.results(state.prompt, lambda ids: "").sequences
+                finished.append((request_id, [b.output_token_ids for b in beams]))
+                del self.searches[request_id]
+        return finished
+
+    def _first_entry(self, rid: str) -> dict[int, float] | None:
+        logprobs = self.logprobs[rid] if rid in self.logprobs else self.engine.get_logprobs(rid)
+        return logprobs[0] if logprobs else None
+
+    def _advance(self, request_id: str, state: _OnlineSearch, entries: list) -> None:
+        """One search step: losers aborted, each survivor forked from its parent."""
+        from paged_jax.beam_search import top_candidates
+        from paged_jax.core.request import RequestStatus
+
+        k = state.search.num_candidates
+        parents = state.request_ids
+        new_beams = state.search.step([top_candidates(e, k) for e in entries])
+        state.step += 1
+        children: dict[int, list[int]] = {}
+        for j, beam in enumerate(new_beams):
+            children.setdefault(beam.parent, []).append(j)
+        for b, rid in enumerate(parents):
+            if b not in children and self.engine.is_live(rid):
+                self.engine.abort_request(rid)
+        ids = [""] * len(new_beams)
+        for b, js in children.items():
+            parent = parents[b]
+            req = self.engine.get_request(parent)
+            for j in js:
+                rid = f"{request_id}#{state.step}-{j}"
+                tokens = state.prompt + new_beams[j].tokens
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    self.engine.fork_request(
+                        parent, rid, output_token_ids=tokens[req.num_prompt_tokens :]
+                    )
+                else:  # the parent was preempted: recompute the beam
+                    self.engine.add_request(rid, tokens, self._engine_params(state.search))
+                ids[j] = rid
+            if self.engine.is_live(parent):
+                self.engine.abort_request(parent)
+        for rid in parents:
+            self.logprobs.pop(rid, None)
+        state.request_ids = ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self.searches) or self.engine.has_unfinished()
 
 
 class ContiguousServer:
@@ -448,6 +721,11 @@ class ReservationServer:
     memory policy alone.
 
         space:  |r0 ........|r1 ..|   hole   |r2 ......|   r3 waits for a big enough hole
+
+    With copies = n a request holds n such runs (parallel sampling's n samples or beam
+    search's n beams, each reserving its prompt + output: nothing shared), admitted only
+    when all n fit; extra_kv_tokens adds to each run's KV length (a beam's engine request
+    computes one token more than a plain request).
     """
 
     def __init__(
@@ -458,6 +736,8 @@ class ReservationServer:
         max_model_len: int,
         *,
         granularity: int = 1,
+        copies: int = 1,
+        extra_kv_tokens: int = 0,
     ):
         from paged_jax.memory_study.allocators import POLICIES, FirstFitSpace
 
@@ -473,11 +753,14 @@ class ReservationServer:
                 f"budget_tokens={budget_tokens!r} must hold one max_model_len="
                 f"{max_model_len} reservation"
             )
+        if not (is_int(copies) and copies >= 1):
+            raise ValueError(f"copies={copies!r} must be an int >= 1 (reservations per request)")
         self.inner, self.policy, self.max_model_len = inner, policy, max_model_len
         self.granularity = granularity
+        self.copies, self.extra_kv_tokens = copies, extra_kv_tokens
         self.space = FirstFitSpace(budget_tokens)
         self.gate: collections.deque[TraceRequest] = collections.deque()
-        self.starts: dict[str, int] = {}
+        self.starts: dict[str, list[int]] = {}
         self.max_reserved = 0
 
     def reservation(self, req: TraceRequest) -> int:
@@ -486,17 +769,24 @@ class ReservationServer:
         never need more blocks than the pool holds)."""
         from paged_jax.memory_study.allocators import reservation_size
 
-        kv_len = req.num_prompt_tokens + req.num_output_tokens - 1
+        kv_len = req.num_prompt_tokens + req.num_output_tokens - 1 + self.extra_kv_tokens
         size = reservation_size(self.policy, kv_len, self.max_model_len)
         return -(-size // self.granularity) * self.granularity
 
     def _admit(self) -> None:
         while self.gate:
-            start = self.space.alloc(self.reservation(self.gate[0]))
-            if start is None:
-                return  # head-of-line blocking
+            size = self.reservation(self.gate[0])
+            starts = []
+            for _ in range(self.copies):  # one run per sample / beam, all or none
+                start = self.space.alloc(size)
+                if start is None:
+                    for s in starts:
+                        self.space.free(s)
+                    self.max_reserved = max(self.max_reserved, self.space.num_allocated)
+                    return  # head-of-line blocking
+                starts.append(start)
             req = self.gate.popleft()
-            self.starts[req.request_id] = start
+            self.starts[req.request_id] = starts
             self.inner.add(req)
         self.max_reserved = max(self.max_reserved, self.space.num_allocated)
 
@@ -513,7 +803,8 @@ class ReservationServer:
         assert self.inner.has_unfinished(), "a gated request waits on an empty space: a leak"
         finished = self.inner.step()
         for request_id, _ in finished:
-            self.space.free(self.starts.pop(request_id))
+            for start in self.starts.pop(request_id):
+                self.space.free(start)
         self._admit()
         return finished
 
@@ -529,14 +820,35 @@ class ReservationServer:
         return {**inner, "policy": self.policy, "max_reserved_tokens": self.max_reserved}
 
 
+FANOUT_KINDS = ("plain", "parallel", "beam")
+
+
+def make_fanout_server(system: Any, kind: str, n: int) -> PagedServer:
+    """The paged engine serving each request as one sequence, n samples or n beams."""
+    if kind == "plain":
+        return PagedServer(system)
+    if kind == "parallel":
+        return ParallelSamplingServer(system, n)
+    if kind == "beam":
+        return BeamSearchServer(system, n)
+    raise ValueError(f"kind={kind!r} must be one of {FANOUT_KINDS}")
+
+
 def make_server(system: Any) -> PagedServer | ContiguousServer:
     """The adapter for a harness system: paged when it has an engine, else contiguous."""
     return PagedServer(system) if hasattr(system, "engine") else ContiguousServer(system)
 
 
 __all__ = [
+    "FANOUT_KINDS",
     "PAGED",
+    "BeamSearchServer",
+    "ParallelSamplingServer",
+    "make_fanout_server",
+    "num_output_tokens",
+    "request_seed",
     "analyze_curves",
+    "plot_fanout_curves",
     "plot_latency_curves",
     "system_curves",
     "ContiguousServer",

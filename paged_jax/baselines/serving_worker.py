@@ -5,7 +5,9 @@
 Builds and warms the system (as bench_worker does), draws every trace the spec names,
 prints one JSON line {"ready": ...}, then serves one online run per JSON line read from
 stdin ({"op": "serve", "trace": NAME, "rate": R, "seed": S, "n": N}: the trace's first N
-requests, at rate 0 one at a time; or {"op": "quit"}), printing
+requests, at rate 0 one at a time; optional "kind": "parallel" or "beam" with "fanout": K
+serves each request as K samples or K beams (paged engine and orca-* only); or
+{"op": "quit"}), printing
 one JSON line per run: its metrics, its per-request records and its outputs. A waiting
 worker blocks on stdin and uses no CPU, so the others' runs are timed undisturbed.
 """
@@ -20,9 +22,9 @@ from typing import Any
 
 from paged_jax.baselines.bench_worker import build_system
 from paged_jax.baselines.serving import (
-    PagedServer,
     ReservationServer,
     Server,
+    make_fanout_server,
     make_server,
     poisson_arrivals,
     run_metrics,
@@ -45,39 +47,59 @@ def build_trace(spec: dict[str, Any]) -> list[TraceRequest]:
     return make_dataset_trace(DatasetTraceConfig(**spec))
 
 
-def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[[], Server]]:
+def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[..., Server]]:
     """The system and a factory of fresh servers over it (one per run).
 
-    "orca-<policy>" is the paged engine behind a ReservationServer: spec["orca"] holds
-    the engine's keywords and the reservation budget in tokens (the pool's usable
-    blocks x block_size), reserved in whole blocks.
+    The factory takes (kind, fanout): "plain" (one sequence a request), "parallel"
+    (fanout samples) or "beam" (fanout beams). "orca-<policy>" is the paged engine behind
+    a ReservationServer: spec["orca"] holds the engine's keywords and the reservation
+    budget in tokens (the pool's usable blocks x block_size), reserved token-exact, one
+    run per sample or beam.
     """
     name = spec["system"]
     if not name.startswith("orca-"):
         system = build_system(spec)
-        return system, lambda: make_server(system)
+
+        def plain(kind: str = "plain", fanout: int = 1) -> Server:
+            if kind == "plain":
+                return make_server(system)
+            if not hasattr(system, "engine"):
+                raise ValueError(f"kind={kind!r} needs the paged engine, not {name!r}")
+            return make_fanout_server(system, kind, fanout)
+
+        return system, plain
     orca = dict(spec["orca"])
     budget_tokens = orca.pop("reservation_budget_tokens")
     system = build_system({**spec, "system": "paged", "paged": orca})
     policy = name.split("-", 1)[1]
 
-    def factory() -> Server:
-        return ReservationServer(PagedServer(system), policy, budget_tokens, orca["max_model_len"])
+    def factory(kind: str = "plain", fanout: int = 1) -> Server:
+        inner = make_fanout_server(system, kind, fanout)
+        return ReservationServer(
+            inner,
+            policy,
+            budget_tokens,
+            orca["max_model_len"],
+            copies=1 if kind == "plain" else fanout,
+            extra_kv_tokens=1 if kind == "beam" else 0,
+        )
 
     return system, factory
 
 
 def serve(
-    new_server: Callable[[], Server],
+    new_server: Callable[..., Server],
     trace: list[TraceRequest],
     rate: float,
     seed: int,
+    kind: str = "plain",
+    fanout: int = 1,
 ) -> dict[str, Any]:
     """One online run at `rate`: metrics, per-request (arrival, finish, tokens) and outputs.
 
     rate 0 is the unloaded run: the requests one at a time.
     """
-    server = new_server()
+    server = new_server(kind, fanout)
     if rate == 0:
         run = serve_unloaded(server, trace)
     else:
@@ -99,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         if cmd["op"] == "quit":
             break
         trace = traces[cmd["trace"]][: cmd.get("n")]
-        result = serve(new_server, trace, float(cmd["rate"]), int(cmd["seed"]))
+        kind, fanout = cmd.get("kind", "plain"), int(cmd.get("fanout", 1))
+        result = serve(new_server, trace, float(cmd["rate"]), int(cmd["seed"]), kind, fanout)
         print(json.dumps(result), flush=True)
     return 0
 
