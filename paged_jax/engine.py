@@ -1126,6 +1126,8 @@ class Engine:
                     live.pop(req_id)
                     done.append(req)
         for req in broken:  # its token is garbage: it ends here, the others go on
+            if req.is_finished():  # a stop among its kept speculative tokens came first
+                continue
             sched.finish_request(
                 req.request_id, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR
             )
@@ -1298,8 +1300,10 @@ class Engine:
         """_record_samples for a speculative step: req_id -> its emitted tokens (accepted
         drafts, then the target's), their logprobs, and the acceptance counters.
 
-        A request with a non-finite position among its emitted ones keeps none of this
-        step's tokens and is returned as broken (it ends with an error).
+        A request with a non-finite position among its emitted ones keeps the tokens
+        emitted before the first such position (each was decided by finite logits at an
+        earlier position, so the plain engine emits them too) and is returned as broken:
+        it ends with an error unless those tokens stop it first.
         """
         live_get = self.scheduler.requests.get
         spec_ids = step.out.spec_token_ids
@@ -1313,12 +1317,14 @@ class Engine:
             if not seq.samples or live_get(seq.req_id) is not req:
                 continue
             e = emitted[i]
+            accepted = e - 1
             if nonfinite is not None and nonfinite[i, :e].any():
                 broken.append(req)
-                continue
+                e = accepted = int(np.argmax(nonfinite[i, :e]))  # the first bad position
+                if e == 0:
+                    continue
             num_draft = len(spec_ids.get(seq.req_id, ()))
             if num_draft:
-                accepted = e - 1
                 self._spec_num_drafts += 1
                 self._spec_draft_tokens += num_draft
                 self._spec_accepted_tokens += accepted

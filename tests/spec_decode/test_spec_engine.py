@@ -279,3 +279,72 @@ def test_stop_strings_cut_accepted_drafts_like_the_plain_engine(spec_engine, pla
     assert got["spec"].token_ids == got["plain"].token_ids
     assert got["spec"].finish_reason == "stop" and got["spec"].stop_reason == stop
     assert len(got["spec"].token_ids) < 30
+
+
+class BadWrongDrafts(OracleProposer):
+    """OracleProposer whose planted wrong tokens are all `bad`."""
+
+    def __init__(self, bad: int, **kwargs):
+        super().__init__(**kwargs)
+        self.bad = bad
+
+    def propose(self, batch: ProposalBatch) -> Proposal:
+        out = super().propose(batch)
+        for i, tokens in enumerate(batch.token_ids):
+            ref = SumModel.reference_continuation(list(tokens), self.k, VOCAB)
+            out.token_ids[i] = np.where(out.token_ids[i] != ref, self.bad, out.token_ids[i])
+        return out
+
+
+def test_nonfinite_logits_end_only_their_request_like_the_plain_engine():
+    """SumModel with nonfinite_token_id=BAD gives a NaN logit to every position after a
+    BAD token, drafts included. A request whose accepted drafts reach BAD keeps the
+    tokens before the NaN position and ends with finish_reason "error", as the plain
+    engine does (before: it lost every token of that step); rejected BAD drafts (every
+    planted wrong token is BAD) leave their request untouched; the others finish exactly."""
+    from paged_jax.engine import NONFINITE_LOGITS_ERROR
+
+    bad = 13
+    model = SumModel(
+        SumModelConfig(vocab_size=VOCAB, max_position_embeddings=128, nonfinite_token_id=bad)
+    )
+    late = next(
+        [t] for t in range(VOCAB) if SumModel.reference_continuation([t], 8, VOCAB)[2] == bad
+    )
+    good = {"g0": [1, 2, 3], "g1": [4, 5, 6, 7, 8]}
+    for p in good.values():
+        assert bad not in SumModel.reference_continuation(p, 8, VOCAB)
+    requests = {"at_prompt": [5, bad], "late": late, **good}
+    outs = {}
+    for name, spec in (("plain", None), ("spec", {"method": "ngram", "num_speculative_tokens": K})):
+        engine = Engine(
+            model,
+            EngineConfig(
+                block_size=4,
+                num_kv_blocks=32,
+                max_num_seqs=4,
+                max_num_batched_tokens=16,
+                attention_backend="reference",
+                speculative_config=spec,
+            ),
+        )
+        if spec is not None:
+            engine.proposer = BadWrongDrafts(bad, wrong_every=2)
+        for rid, p in requests.items():
+            engine.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=8, logprobs=1))
+        outs[name] = run_all(engine)
+        assert_pool_drained(engine)
+        if spec is not None:
+            stats = engine.get_stats()
+            assert stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
+    plain, spec_outs = outs["plain"], outs["spec"]
+    assert plain["late"].token_ids == SumModel.reference_continuation(late, 3, VOCAB)
+    for rid in requests:
+        assert spec_outs[rid].token_ids == plain[rid].token_ids, rid
+        assert spec_outs[rid].finish_reason == plain[rid].finish_reason, rid
+        assert len(spec_outs[rid].logprobs) == len(plain[rid].token_ids), rid
+    for rid in ("at_prompt", "late"):
+        assert spec_outs[rid].finish_reason == "error"
+        assert spec_outs[rid].error == NONFINITE_LOGITS_ERROR
+    for rid in good:
+        assert spec_outs[rid].finish_reason == "length"
