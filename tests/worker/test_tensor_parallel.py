@@ -58,6 +58,16 @@ RUNS = {
     "qwen2_moe": ({}, [(2, "swap", "reference"), (4, "recompute", "reference")]),
 }
 SEEDS = [11, 12, 13]
+# N-gram speculation at N=2 on the Llama checkpoint (same prompts and pool, so it
+# preempts and hits the prefix cache too): greedy must equal N=1 without speculation.
+# Lookup from one token on proposes drafts on these random prompts every few steps.
+SPEC_RUN = "llama-ngram-tp2"
+SPEC_CONFIG = {
+    "method": "ngram",
+    "num_speculative_tokens": 2,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
 
 
 def _name(family: str, tp: int) -> str:
@@ -114,6 +124,21 @@ def results(checkpoints, prompts, tmp_path_factory):
                     sampling_seeds=SEEDS if family == "llama" else [],
                 )
             )
+    spec.append(
+        dict(
+            name=SPEC_RUN,
+            path=str(checkpoints["llama"]),
+            tensor_parallel_size=2,
+            engine={
+                **ENGINE,
+                "preemption_mode": "recompute",
+                "speculative_config": SPEC_CONFIG,
+            },
+            prompts=prompts,
+            max_tokens=MAX_NEW,
+            sampling_seeds=[],
+        )
+    )
     tmp = tmp_path_factory.mktemp("tp")
     (tmp / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -147,6 +172,13 @@ def test_greedy_tokens_equal_transformers_and_n1(family, results, expected):
     if 1 in _runs(family):
         for tp in _runs(family):
             assert results[_name(family, tp)]["greedy"] == results[_name(family, 1)]["greedy"]
+
+
+def test_ngram_speculation_under_tp_equals_n1_without(results):
+    spec = results[SPEC_RUN]
+    assert spec["greedy"] == results[_name("llama", 1)]["greedy"]
+    assert spec["stats"]["spec_num_draft_tokens"] > 0, "no draft was verified under TP"
+    assert spec["stats"]["spec_method"] == "ngram"
 
 
 def test_seeded_sampling_equals_n1(results):
