@@ -580,7 +580,9 @@ class BeamSearchServer(PagedServer):
     its top candidates; the search picks the next beams; each survivor is a fork of its
     parent (sharing its blocks, the prompt's and every common output token's, copy on
     write) and each loser is aborted. Steps run synchronously (a fork needs the step's
-    candidates before the next step). Returns each search's beams' generated tokens,
+    candidates before the next step). At most (max_num_seqs - 1) // width searches run
+    at once (a fork needs a free row: width beams each, plus one parent while it forks);
+    later ones wait in arrival order. Returns each search's beams' generated tokens,
     best first.
     """
 
@@ -592,7 +594,8 @@ class BeamSearchServer(PagedServer):
         self.width = width
         self.searches: dict[str, _OnlineSearch] = {}
         self.logprobs: dict[str, list[dict[int, float]]] = {}  # finished beams' logprobs
-        self.num_ids = 0
+        self.pending: collections.deque[TraceRequest] = collections.deque()
+        self.max_searches = max(1, (self.engine.config.max_num_seqs - 1) // width)
 
     def _engine_params(self, search: Any) -> Any:
         from paged_jax.sampling_params import SamplingParams
@@ -606,6 +609,14 @@ class BeamSearchServer(PagedServer):
         )
 
     def add(self, req: TraceRequest) -> None:
+        self.pending.append(req)
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        while self.pending and len(self.searches) < self.max_searches:
+            self._begin(self.pending.popleft())
+
+    def _begin(self, req: TraceRequest) -> None:
         from paged_jax.beam_search import BeamSearch, BeamSearchParams
 
         params = BeamSearchParams(
@@ -634,6 +645,7 @@ class BeamSearchServer(PagedServer):
                 beams = state.search.results(state.prompt, lambda ids: "").sequences
                 finished.append((request_id, [b.output_token_ids for b in beams]))
                 del self.searches[request_id]
+        self._start_pending()
         return finished
 
     def _first_entry(self, rid: str) -> dict[int, float] | None:
@@ -676,7 +688,7 @@ class BeamSearchServer(PagedServer):
         state.request_ids = ids
 
     def has_unfinished(self) -> bool:
-        return bool(self.searches) or self.engine.has_unfinished()
+        return bool(self.searches or self.pending) or self.engine.has_unfinished()
 
 
 class ContiguousServer:

@@ -92,6 +92,11 @@ def test_online_beams_equal_offline_beam_search_and_orca_gate(system):
     )
     gated = run_in_thread(lambda: serve(gate))
     assert gated.outputs == run.outputs and gated.max_running <= width + 1
+    # max_num_seqs 16 holds (16 - 1) // 6 = 2 searches of width 6: the third waits
+    # (forking it in would need a 17th row).
+    wide = BeamSearchServer(system, 6)
+    wide_run = run_in_thread(lambda: serve(wide, arrivals=(0.0, 0.0, 0.0)))
+    assert set(wide_run.outputs) == {"a", "b", "c"} and wide_run.max_running <= 16
     kv = system.engine.kv_cache_manager
     assert kv.num_free_blocks == kv.num_usable_blocks, "blocks leaked"
 
