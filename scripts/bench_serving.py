@@ -4,6 +4,9 @@
     python scripts/bench_serving.py --datasets sharegpt --rates-sharegpt 2,4,8 --repeats 1
     python scripts/bench_serving.py --trace-jsonl my.jsonl --rates-user 1,2,4
     python scripts/bench_serving.py --dry-run            # print the plan, run nothing
+    python scripts/bench_serving.py --datasets alpaca --systems paged,orca-oracle \
+        --workload parallel,beam --fanouts 2,4,6 --block-size 4   # n samples / n beams
+    python scripts/bench_serving.py --replot docs/serving_benchmark.json --figures docs/figures
 
 Requests arrive by a seeded Poisson process at each rate on the wall clock; every system
 (the paged engine and the contiguous-KV baselines under the Orca reservation policies
@@ -586,7 +589,11 @@ def replot(args: argparse.Namespace, report: dict[str, Any]) -> None:
         path = fig_dir / (
             "serving_parallel.png" if trace == "alpaca" else f"serving_{trace}_parallel.png"
         )
-        plot_fanout_curves(kinds, path, title=f"{what} x{scale:g}, KV {budget} slots")
+        block = report["plan"]["paged"]["block_size"]
+        title = f"{what} x{scale:g}, KV {budget} slots, blocks of {block}, 1 repeat a point"
+        if report["settings"]["repeats"] != 1:
+            title = title.replace("1 repeat a point", f"median of {report['settings']['repeats']}")
+        plot_fanout_curves(kinds, path, title=title)
         print(f"drew {path}")
 
 

@@ -62,3 +62,32 @@ def test_output_check_counts_mismatched_missing_and_unchecked():
     check, agreement = check_outputs(runs)
     assert check == {"mismatched": 1, "missing": 1, "unchecked": 1, "compared": 5}
     assert agreement == {"paged-jax": [2], "orca-max": [1, 1]}
+
+
+def test_fanout_flags_rates_and_replot(tmp_path):
+    import pytest
+
+    script = _load_script()
+    args = script.parse_args(["--workload", "parallel,beam", "--fanouts", "4,2", "--dry-run"])
+    assert args.workload == ("parallel", "beam") and args.fanouts == [2, 4]
+    assert script.fanout_rates([8.0, 12.0], "beam", 4) == [2.0, 3.0]
+    assert script.fanout_rates([8.0], "plain", 4) == [8.0]
+    for bad in (["--workload", "greedy"], ["--fanouts", "0"], ["--fanouts", "x"]):
+        with pytest.raises(SystemExit):
+            script.parse_args(bad)
+    with pytest.raises(SystemExit):  # the dense-cache engine has no forks
+        script.parse_args(["--workload", "beam", "--systems", "paged,contiguous-max"])
+    # A saved report's fanout section is redrawn without measuring anything.
+    curve = [
+        {"rate": r, "median": m, "min": m, "max": m} for r, m in ((0, 0.01), (4, 0.02), (8, 0.2))
+    ]
+    curves = {"paged-jax": curve, "orca-oracle": curve[:2]}
+    analysis = script.analyze_curves(curves, 4.0)
+    report = {
+        "plan": {"kv_budget_tokens": 64, "paged": {"block_size": 4}},
+        "settings": {"scale": 0.25, "repeats": 1},
+        "traces": {},
+        "fanout": {"alpaca": {"beam": {"2": {"curves": curves, "analysis": analysis}}}},
+    }
+    script.replot(script.parse_args(["--figures", str(tmp_path)]), report)
+    assert (tmp_path / "serving_parallel.png").stat().st_size > 0
