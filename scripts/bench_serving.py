@@ -627,6 +627,7 @@ def fanout_report(
                     "analysis": analyze_curves(curves, args.latency_factor) if curves else None,
                     "blocks": blocks,
                     "output_check": res["check"],
+                    "output_agreement": res["agreement"],
                     "num_mismatched_outputs": res["check"].get("mismatched", 0)
                     + res["check"].get("missing", 0),
                     "points": res["points"],
