@@ -557,6 +557,12 @@ class KVCacheManager:
                 f"child={child.request_id!r} must start with the parent's first {num_tokens} "
                 "token ids"
             )
+        if self.enable_caching:
+            # Hash the parent's full computed blocks first. After a speculative step a block
+            # can be full of accepted tokens and computed without being hashed yet (its
+            # drafts were unknown when it was allocated); shared unhashed, parent and child
+            # would each hash it at their next allocation, the second time over a hash.
+            self.coordinator.cache_blocks(parent, parent.num_computed_tokens)
         num_shared = min(m.num_shareable_tokens(parent.request_id, num_tokens) for m in managers)
         for manager in managers:
             manager.fork(parent.request_id, child.request_id, num_shared)

@@ -430,3 +430,29 @@ def test_random_sequences_keep_invariants():
     # The run must have exercised hits, revivals from the free queue, refusals,
     # preemptions and successful resets.
     assert min(STEPS.values()) > 0, STEPS
+
+
+def test_fork_after_accepted_drafts_hashes_each_block_once():
+    """A speculative step fills a block with accepted tokens it allocated unhashed (its
+    drafts were unknown then); a fork right after, then parent and child advancing in the
+    same round, must hash that block once (found by the machine above: 'block cached
+    twice: num_cached_blocks is stale')."""
+    m = KVCacheManager(NUM_BLOCKS, BS, enable_prefix_caching=True, max_model_len=MAX_MODEL_LEN)
+    parent = Request("p", list(range(36)))
+    assert m.allocate_slots(parent, 36) is not None
+    parent.num_computed_tokens = 36
+    parent.append_output_token_ids(1)  # the next known token, then 3 drafts verified
+    assert m.allocate_slots(parent, 4) is not None
+    parent.num_computed_tokens = 40
+    parent.append_output_token_ids([2, 3, 4, 5])  # 3 drafts accepted + 1 emitted
+    parent.num_computed_tokens = parent.num_tokens - 1
+    m.free_tail_blocks(parent, parent.num_tokens)
+    child = Request("c", parent.all_token_ids[:40] + [9])
+    child.num_computed_tokens = m.fork(parent, child)
+    for req in (parent, child):  # one round: both write their next token
+        assert m.allocate_slots(req, req.num_tokens - req.num_computed_tokens) is not None
+    hashed = [b for b in m.get_blocks(parent).blocks[0] if b.block_hash is not None]
+    assert len(hashed) == 10  # blocks 0-9: the 40 tokens both share, each hashed once
+    m.free(parent)
+    m.free(child)
+    assert m.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1

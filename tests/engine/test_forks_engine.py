@@ -39,8 +39,8 @@ def record_copies(engine: Engine) -> list:
     copies = []
     prepare = engine.input_batch.prepare
 
-    def spy(seqs, block_copies=()):
-        step = prepare(seqs, block_copies)
+    def spy(seqs, block_copies=(), *rest):
+        step = prepare(seqs, block_copies, *rest)
         real = step.copies.dst >= 0
         copies.extend(zip(step.copies.src[real].tolist(), step.copies.dst[real].tolist()))
         return step
@@ -147,9 +147,9 @@ def test_parallel_sampling_is_one_prefill_plus_n_forks():
     computed = []
     prepare = engine.input_batch.prepare
 
-    def count(seqs, block_copies=()):
+    def count(seqs, block_copies=(), *rest):
         computed.append(sum(s.num_new_tokens for s in seqs))
-        return prepare(seqs, block_copies)
+        return prepare(seqs, block_copies, *rest)
 
     engine.input_batch.prepare = count
     peak = [0]
