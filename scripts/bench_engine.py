@@ -38,6 +38,7 @@ import time
 from typing import Any
 
 from paged_jax.baselines.hf_generate import MODEL_PRESETS, llama_num_parameters
+from paged_jax.baselines.worker_process import WorkerError, WorkerProcess
 from paged_jax.baselines.workload import WorkloadConfig, make_trace, trace_summary
 from paged_jax.config import EngineConfig
 
@@ -317,47 +318,14 @@ def pool_blocks(args: argparse.Namespace, plan: Plan, budget: int) -> int:
 # ------------------------------------------------------------------------------ workers
 
 
-class WorkerError(RuntimeError):
-    """A worker process exited before answering (its stderr went to this one's)."""
-
-
-class Worker:
+class Worker(WorkerProcess):
     """A system's worker process: started, warmed up, then one timed run per request."""
 
-    def __init__(self, spec: dict, label: str):
-        self.label = label
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paged_jax.baselines.bench_worker", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise WorkerError(f"{self.label} worker exited with {self.proc.wait()}")
-        return json.loads(line)
+    module = "paged_jax.baselines.bench_worker"
 
     def run(self, **cmd: Any) -> dict:
         """One run; the record gets the 1-minute load average at its start."""
-        load = os.getloadavg()[0]
-        self.proc.stdin.write(json.dumps({"op": "run", **cmd}) + "\n")
-        self.proc.stdin.flush()
-        result = self._read()
-        result["summary"]["loadavg_1min_at_start"] = round(load, 2)
-        return result
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        return self.request("run", **cmd)
 
 
 def _tps(result: dict) -> float:

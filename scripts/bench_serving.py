@@ -46,6 +46,7 @@ from paged_jax.baselines.serving import (
     system_curves,
 )
 from paged_jax.baselines.serving_worker import build_trace
+from paged_jax.baselines.worker_process import WorkerProcess
 from paged_jax.baselines.workload import (
     DATASET_NAMES,
     PAPER_MAX_MODEL_LEN,
@@ -301,24 +302,10 @@ def dataclass_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
-class Worker:
+class Worker(WorkerProcess):
     """A system's worker process: started and warmed up, then one online run per call."""
 
-    def __init__(self, spec: dict, label: str):
-        self.label = label
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paged_jax.baselines.serving_worker", json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.ready = self._read()
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.label} worker exited with {self.proc.wait()}")
-        return json.loads(line)
+    module = "paged_jax.baselines.serving_worker"
 
     def serve(
         self,
@@ -331,24 +318,9 @@ class Worker:
     ) -> dict:
         """One run over the trace's first num_requests (rate 0: one at a time), each
         request one sequence, `fanout` parallel samples or `fanout` beams (kind)."""
-        load = os.getloadavg()[0]
-        cmd = {"op": "serve", "trace": trace, "rate": rate, "seed": seed, "n": num_requests}
-        cmd.update(kind=kind, fanout=fanout)
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        result = self._read()
-        result["summary"]["loadavg_1min_at_start"] = round(load, 2)
-        return result
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.close()
-                self.proc.wait(timeout=60)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        return self.request(
+            "serve", trace=trace, rate=rate, seed=seed, n=num_requests, kind=kind, fanout=fanout
+        )
 
 
 def fanout_rates(rates: list[float], kind: str, fanout: int) -> list[float]:
