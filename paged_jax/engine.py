@@ -1267,14 +1267,8 @@ class Engine:
                 if live_get(req.request_id) is req:
                     broken.append(req)
                     sampled.pop(req.request_id, None)
-        awaiting = self._awaiting_first_token
-        if awaiting:
-            first = awaiting.intersection(sampled)
-            if first:
-                now = time.time()
-                for req_id in first:
-                    self._states[req_id].first_token_time = now
-                awaiting -= first
+        if self._awaiting_first_token:
+            self._stamp_first_tokens(sampled)
         if self._num_logprobs_live:
             for i, seq in enumerate(step.out.scheduled):
                 if seq.req_id not in sampled or live_get(seq.req_id) is not step.requests[i]:
@@ -1332,14 +1326,8 @@ class Engine:
                 self._spec_accepted_at[:accepted] += 1
                 self._last_accepted[seq.req_id] = accepted
             sampled[seq.req_id] = token_ids[i, :e].tolist()
-        awaiting = self._awaiting_first_token
-        if awaiting:
-            first = awaiting.intersection(sampled)
-            if first:
-                now = time.time()
-                for req_id in first:
-                    self._states[req_id].first_token_time = now
-                awaiting -= first
+        if self._awaiting_first_token:
+            self._stamp_first_tokens(sampled)
         if self._num_logprobs_live:
             for i, seq in enumerate(step.out.scheduled):
                 tokens = sampled.get(seq.req_id)
@@ -1382,6 +1370,16 @@ class Engine:
                     stops[req_id] = stop
                     break
         return stops
+
+    def _stamp_first_tokens(self, sampled: dict[str, Any]) -> None:
+        """Sets first_token_time of the requests in ``sampled`` that had no token yet."""
+        awaiting = self._awaiting_first_token
+        first = awaiting.intersection(sampled)
+        if first:
+            now = time.time()
+            for req_id in first:
+                self._states[req_id].first_token_time = now
+            awaiting -= first
 
     def _record_blocks_per_request(self, out) -> None:
         """Peak real blocks held by one request in a decode step (one generated token in).
