@@ -392,6 +392,11 @@ class Matcher:
         """An independent matcher in the same state (a fork: n > 1, beams)."""
         return Matcher(self.grammar, self._ll.deep_copy(), list(self._tokens))
 
+    @property
+    def backend_matcher(self) -> Any:
+        """The llguidance matcher behind this one (for batched mask fills)."""
+        return self._ll
+
     def replay(self, tokens: Sequence[int]) -> bool:
         """Restarts from the grammar's start and accepts ``tokens`` (rebuild after preemption).
 
@@ -580,7 +585,7 @@ class GrammarCompiler:
                 f"matchers has {len(matchers)} entries: must be at most the {words.shape[0]} "
                 "rows of words"
             )
-        pairs = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
+        pairs = [(m.backend_matcher, i) for i, m in enumerate(matchers) if m is not None]
         if len(pairs) < words.shape[0]:
             free = np.ones(words.shape[0], bool)
             free[[i for _, i in pairs]] = False
