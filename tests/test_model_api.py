@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 import paged_jax
@@ -83,3 +84,104 @@ def test_llm_serves_a_model_object_with_token_prompts():
         assert list(out.outputs[0].token_ids) == SumModel.reference_continuation(prompt, 5, 97)
     with pytest.raises(ValueError, match="tokenizer"):
         llm.generate(["text needs a tokenizer"])
+
+
+# -- model contract v1 (docs/research_integration.md, "Model contract versions") -------
+
+
+def _v1_meta(num_groups: int):
+    from paged_jax.models import AttentionMetadata
+
+    return AttentionMetadata(
+        tuple(np.full(4, 10 * g, np.int32) for g in range(num_groups)),
+        tuple(np.full((2, 3), g + 1, np.int32) for g in range(num_groups)),
+        np.asarray([3, 1], np.int32),
+        np.asarray([0, 3, 4], np.int32),
+        np.asarray([2, 3], np.int32),
+    )
+
+
+def test_one_group_step_keeps_the_single_group_accessors_with_a_deprecation_warning():
+    meta = _v1_meta(1)
+    with pytest.warns(DeprecationWarning, match=r"read attn_metadata\.for_group\(0\)\.slot_"):
+        slot_mapping = meta.slot_mapping
+    with pytest.warns(DeprecationWarning, match=r"read attn_metadata\.for_group\(0\)\.block_"):
+        block_table = meta.block_table
+    assert slot_mapping is meta.for_group(0).slot_mapping
+    assert block_table is meta.for_group(0).block_table
+
+
+@pytest.mark.parametrize("name", ["slot_mapping", "block_table"])
+def test_multi_group_step_refuses_the_single_group_accessors_naming_for_group(name):
+    with pytest.raises(AttributeError, match=rf"carries 2 KV-cache groups.*for_group\(g\)\.{name}"):
+        getattr(_v1_meta(2), name)
+
+
+@pytest.mark.parametrize("name", ["extra_slot_mappings", "extra_block_tables"])
+def test_v1_extra_group_fields_are_gone_with_a_message_naming_for_group(name):
+    with pytest.raises(
+        AttributeError, match=rf"{name} was removed in model contract v2.*for_group"
+    ):
+        getattr(_v1_meta(2), name)
+
+
+def test_metadata_with_the_accessors_is_still_a_pytree_read_under_jit():
+    import jax
+
+    meta = _v1_meta(1)
+    leaves, treedef = jax.tree.flatten(meta)
+    assert len(leaves) == 1 + 1 + 3  # the accessors are properties, not fields
+
+    @jax.jit
+    def read(m):  # contract v1's spelling, traced
+        return m.slot_mapping + m.block_table[0, 0]
+
+    with pytest.warns(DeprecationWarning):
+        out = read(jax.tree.unflatten(treedef, leaves))
+    np.testing.assert_array_equal(out, np.full(4, 0 + 1))
+
+
+class _V1SumModel(SumModel):
+    """SumModel's forward written to contract v1: attn_metadata.slot_mapping, one table."""
+
+    def forward_paged(
+        self, token_ids, positions, kv_caches, attn_metadata, *, attention_backend=None
+    ):
+        import jax.numpy as jnp
+
+        import pallas_kernels
+        from paged_jax.testing.fake_model import HEAD_DIM
+
+        ops = pallas_kernels.get_attention_ops(attention_backend or self.attention_backend)
+        v = jnp.zeros((token_ids.shape[0], 1, HEAD_DIM), jnp.float32)
+        v = v.at[:, 0, 0].set(token_ids.astype(jnp.float32)).at[:, 0, 1].set(1.0)
+        q = k = jnp.zeros_like(v)
+        new_caches, out = [], None
+        for k_cache, v_cache in kv_caches:
+            k_cache, v_cache = ops.write_kv(k_cache, v_cache, k, v, attn_metadata.slot_mapping)
+            out = ops.ragged_paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                attn_metadata.block_table,
+                attn_metadata.seq_lens,
+                attn_metadata.query_start_loc,
+                scale=1.0,
+            )  # f32[T, 1, HEAD_DIM]: the mean id of the visible context
+            new_caches.append((k_cache, v_cache))
+        pos = positions[attn_metadata.logits_indices]
+        mean_id = out[attn_metadata.logits_indices, 0, 0]
+        total = jnp.round(mean_id * (pos + 1).astype(jnp.float32)).astype(jnp.int32) + pos
+        target = jnp.mod(total, self.config.vocab_size)  # i32[S]
+        vocab = jnp.arange(self.config.vocab_size)
+        return -jnp.abs(vocab[None, :] - target[:, None]).astype(jnp.float32), new_caches
+
+
+def test_a_one_group_model_written_to_contract_v1_is_served_with_a_deprecation_warning():
+    config = SumModelConfig(vocab_size=97, max_position_embeddings=64)
+    llm = paged_jax.LLM(_V1SumModel(config), attention_backend="reference", warmup=False, **ENGINE)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    with pytest.warns(DeprecationWarning, match=r"for_group\(0\)"):
+        outs = llm.generate(prompts, paged_jax.SamplingParams(temperature=0, max_tokens=5))
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == SumModel.reference_continuation(prompt, 5, 97)

@@ -6,7 +6,7 @@ Each program is traced, lowered and compiled through JAX's AOT API
 loads that file instead, skipping tracing, lowering and compiling.
 
 The key is everything that changes the program: the model (class, config, graph
-definition and, for a model class outside this package, its source file), the engine
+definition and the source files of its classes outside this package), the engine
 config fields that shape the step, the program's name (bucket and variant), the argument
 tree with every leaf's shape, dtype and sharding, the jax / jaxlib / flax / Python
 versions, backend, platform version, devices, host CPU, XLA flags, and a hash of this
@@ -19,7 +19,9 @@ a warning and rebuilt; it never raises and never runs.
       MAGIC | u32 header length | JSON header {key, sha256, sizes} | executable | out tree
 
 A program whose executable cannot be serialized (one with constants baked in: a model
-that is not an NNX module closes over its arrays) is kept in memory only.
+that is not an NNX module closes over its arrays) is kept in memory only, and so is every
+program of a model class that has no source file (python -c, a REPL, exec'd code): its
+code is in no file a key could hash, so it is never written or loaded (logged once).
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ HOST_ONLY_FIELDS = frozenset(
         "kv_cache_memory",  # shapes the pool, whose size is keyed as num_kv_blocks
     }
 )
+# Packages whose classes are keyed by the version program_context records, not by file.
+KEYED_BY_VERSION = ("builtins", "flax")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -116,29 +120,77 @@ def _host_cpu() -> str:
         return _digest(f"{platform.machine()} {platform.processor()}")
 
 
+# Model classes already reported as uncacheable in this process (the warning comes once).
+_UNCACHEABLE_REPORTED: set[str] = set()
+
+
+def class_source_hashes(cls: type) -> dict[str, str] | None:
+    """sha256 of the source file of every class in ``cls``'s MRO outside this package.
+
+    This package's own classes are covered by ``source_hash()``, flax's by its version and
+    builtins have no source; every other class (the model's, its user-written bases) must
+    come from a readable source file that defines it.
+
+    Returns:
+        ``{"module.qualname": file digest}``, or None when some class has no source file:
+        one defined under ``python -c``, in a plain REPL or notebook, or by ``exec``
+        (``inspect`` then raises OSError or TypeError, or finds no such class in the file
+        of the module it was exec'd into). Its code is then in no file the
+        key could hash, so no key can tell it from another class of the same name.
+    """
+    hashes: dict[str, str] = {}
+    for klass in cls.__mro__:
+        module = klass.__module__
+        if module.split(".")[0] in (*SOURCE_PACKAGES, *KEYED_BY_VERSION):
+            continue
+        try:
+            # getsource proves the class is defined in that file (exec'd code run in a
+            # module that has a file gets the module's file, not the class's code).
+            inspect.getsource(klass)
+            digest = _file_hash(inspect.getsourcefile(klass))
+        except (OSError, TypeError):
+            digest = None
+        if digest is None:
+            return None
+        hashes[f"{module}.{klass.__qualname__}"] = digest
+    return hashes
+
+
 def model_identity(model: Any) -> dict[str, Any]:
     """What of a model shapes its programs; call before the runner takes the model over.
 
     Returns:
-        class, config and (NNX modules) graph-definition digests, the class's source file
-        hash when the class lives outside this package, and ``cacheable``: False for a
-        model that is not an NNX module (its arrays are closed over, i.e. baked into the
-        program, and are not part of any key), so its programs stay in memory.
+        class, config and (NNX modules) graph-definition digests, the source file hashes
+        of its classes outside this package (``class_source_hashes``), and
+        ``cacheable``: whether its programs may be written to and loaded from disk. False
+        for a model that is not an NNX module (its arrays are closed over, i.e. baked
+        into the program, and are not part of any key) and for a model class without a
+        source file (python -c, a REPL, exec'd code: its code is part of no key); its
+        programs are then compiled in memory, and the second case is logged once per
+        class and process. Never raises for either.
     """
     from flax import nnx
 
     cls = type(model)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    sources = class_source_hashes(cls)
     identity: dict[str, Any] = {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "class": name,
         "config": _digest(_stable_repr(getattr(model, "config", None))),
-        "cacheable": isinstance(model, nnx.Module),
+        "class_sources": sources,
+        "cacheable": isinstance(model, nnx.Module) and sources is not None,
     }
-    if cls.__module__.split(".")[0] not in SOURCE_PACKAGES:
-        try:
-            identity["source"] = _file_hash(inspect.getsourcefile(cls))
-        except TypeError:
-            identity["source"] = None
-    if identity["cacheable"]:
+    if sources is None and name not in _UNCACHEABLE_REPORTED:
+        _UNCACHEABLE_REPORTED.add(name)
+        logger.warning(
+            "executable cache: model class %s (or a base class) has no source file (defined "
+            "under python -c, in a REPL or by exec), so no key can tell its code from "
+            "another class's: its step programs are compiled in memory and never written "
+            "to or loaded from disk (JAX's own compilation cache, keyed by the program, "
+            "still applies)",
+            name,
+        )
+    if isinstance(model, nnx.Module):
         identity["graphdef"] = _digest(_stable_repr(nnx.graphdef(model)))
     return identity
 

@@ -22,12 +22,16 @@ table and one slot mapping per group, and a layer reads its own group's through
     block_tables  = (i32[S, W] group 0, i32[S, W] group 1, ...)
     layer of group g:  slot_mapping, block_table = attn_metadata.for_group(g)
 
-Its flags (decode_only, validate) are static pytree metadata.
+Its flags (decode_only, validate) are static pytree metadata. The contract's earlier
+single-group spelling (``attn_metadata.slot_mapping``) still reads group 0's for a
+one-group step, with a DeprecationWarning (docs/research_integration.md, "Model contract
+versions").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 # Pytree metadata, not leaves: a jitted step compiles once per (bucket, flags) and may
@@ -101,6 +105,61 @@ class AttentionMetadata:
                 f"carries block tables for {self.num_groups} KV-cache group(s)"
             )
         return GroupTables(self.slot_mappings[group], self.block_tables[group])
+
+    # -- contract v1's single-group spelling (docs/research_integration.md) -------------
+    @property
+    def slot_mapping(self) -> Any:  # i32[T]
+        """Deprecated: group 0's slot mapping; use ``for_group(0).slot_mapping``.
+
+        Contract v1 carried one slot mapping under this name. It still reads group 0's
+        for a one-group step (with a DeprecationWarning); a step with several KV-cache
+        groups raises AttributeError naming ``for_group(g)``.
+        """
+        return self._only_group("slot_mapping").slot_mapping
+
+    @property
+    def block_table(self) -> Any:  # i32[S, W]
+        """Deprecated: group 0's block table; use ``for_group(0).block_table``.
+
+        Contract v1 called it ``block_tables``, now the tuple of every group's tables;
+        like ``slot_mapping``, this reads group 0's for a one-group step only.
+        """
+        return self._only_group("block_table").block_table
+
+    @property
+    def extra_slot_mappings(self) -> tuple[Any, ...]:
+        """Removed (contract v1's groups 1..G-1): raises AttributeError naming for_group."""
+        raise AttributeError(self._removed("extra_slot_mappings", "slot_mapping"))
+
+    @property
+    def extra_block_tables(self) -> tuple[Any, ...]:
+        """Removed (contract v1's groups 1..G-1): raises AttributeError naming for_group."""
+        raise AttributeError(self._removed("extra_block_tables", "block_table"))
+
+    def _removed(self, name: str, field: str) -> str:
+        return (
+            f"attn_metadata.{name} was removed in model contract v2: this step carries "
+            f"{self.num_groups} KV-cache group(s); a layer of group g reads "
+            f"attn_metadata.for_group(g).{field} (docs/research_integration.md, "
+            '"Model contract versions")'
+        )
+
+    def _only_group(self, name: str) -> GroupTables:
+        if self.num_groups != 1:
+            raise AttributeError(
+                f"attn_metadata.{name} is contract v1's single-group spelling, but this step "
+                f"carries {self.num_groups} KV-cache groups: a layer of group g reads "
+                f"attn_metadata.for_group(g).{name} (docs/research_integration.md, "
+                '"Model contract versions")'
+            )
+        warnings.warn(
+            f"attn_metadata.{name} is deprecated (model contract v1): read "
+            f"attn_metadata.for_group(0).{name}, which also serves models with several "
+            "KV-cache groups",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return self.for_group(0)
 
 
 class SamplingMetadata(NamedTuple):

@@ -1,5 +1,8 @@
 """The executable cache: a valid entry loads and runs; a bad one is rebuilt with a warning.
 
+A model class without a source file (python -c, a REPL, exec) is served, its programs
+kept in memory only, so two such classes of the same name never share one.
+
 A toy jitted function stands in for the step, so each case costs milliseconds. Every
 bad entry (truncated, garbage, a checksum that fails, another program's file, built from
 older sources) must be ignored with a warning, compiled afresh and rewritten, and the
@@ -8,7 +11,10 @@ program run must be the one asked for.
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +27,7 @@ from paged_jax.worker.executable_cache import (
     CacheEntryError,
     ExecutableCache,
     arg_signature,
+    model_identity,
     read_entry,
     source_hash,
     write_entry,
@@ -166,3 +173,100 @@ def test_arg_signature_tells_shapes_dtypes_and_placement_apart():
 
 def test_source_hash_covers_the_kernels():
     assert len(source_hash()) == 64 and source_hash() == source_hash()
+
+
+# -- model classes without a source file ------------------------------------------------
+
+_EXEC_SOURCE = """
+from paged_jax.testing.fake_model import SumModel
+
+class ExecOnlyModel(SumModel):
+    pass
+"""
+
+
+def _exec_model_class(module_name: str) -> type:
+    namespace = {"__name__": module_name}
+    exec(_EXEC_SOURCE, namespace)
+    return namespace["ExecOnlyModel"]
+
+
+@pytest.mark.parametrize("module_name", ["not_a_module", __name__])
+def test_an_exec_defined_model_is_kept_out_of_the_disk_cache_and_said_once(module_name, caplog):
+    # "not_a_module" is in no sys.modules (inspect: TypeError); this test module has a
+    # file, but one that does not define the class (inspect.getsource: OSError).
+    cls = _exec_model_class(module_name)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        first, second = model_identity(cls()), model_identity(cls())
+    assert first == second and first["cacheable"] is False and first["class_sources"] is None
+    said = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+    assert len(said) == 1 and "has no source file" in said[0] and "in memory" in said[0]
+
+
+class FileModel(_exec_model_class("not_a_module").__mro__[1]):  # SumModel, from a file
+    pass
+
+
+def test_a_model_class_from_a_file_keys_its_source_and_is_cacheable():
+    identity = model_identity(FileModel())
+    assert identity["cacheable"] is True
+    assert list(identity["class_sources"]) == [f"{__name__}.FileModel"]
+
+
+# Run as `python -c`: two classes of one name (__main__.ShiftedSum), one config and graph,
+# differing only in their code (the shift), each served with a compile cache in one folder.
+# Keyed by name, config and graph alone, the second would load the first's programs.
+_REPL_SCRIPT = """
+import json, pathlib, sys
+import jax.numpy as jnp
+import paged_jax
+from paged_jax.testing.fake_model import SumModel, SumModelConfig
+
+cache, outputs = sys.argv[1], []
+
+class ShiftedSum(SumModel):
+    def forward_paged(self, token_ids, positions, kv_caches, meta, *, attention_backend=None):
+        logits, caches = super().forward_paged(token_ids, positions, kv_caches, meta)
+        return jnp.roll(logits, 1, axis=-1), caches
+
+def serve(model):
+    llm = paged_jax.LLM(model, attention_backend="reference", compile_cache=cache,
+                        block_size=4, num_kv_blocks=32, max_num_seqs=4,
+                        max_num_batched_tokens=16)
+    out = llm.generate([[3, 1, 4, 1, 5]], paged_jax.SamplingParams(temperature=0, max_tokens=4))
+    outputs.append(list(out[0].outputs[0].token_ids))
+
+serve(ShiftedSum(SumModelConfig(max_position_embeddings=64)))
+
+class ShiftedSum(SumModel):
+    def forward_paged(self, token_ids, positions, kv_caches, meta, *, attention_backend=None):
+        logits, caches = super().forward_paged(token_ids, positions, kv_caches, meta)
+        return jnp.roll(logits, 2, axis=-1), caches
+
+serve(ShiftedSum(SumModelConfig(max_position_embeddings=64)))
+written = sorted(p.name for p in pathlib.Path(cache).rglob("*.exe"))
+print(json.dumps({"outputs": outputs, "written": written}))
+"""
+
+
+def _shifted_sum_continuation(prompt: list[int], num_tokens: int, shift: int) -> list[int]:
+    # SumModel's next token (sum of the ids + last position) moved by the logits' roll.
+    tokens = list(prompt)
+    for _ in range(num_tokens):
+        tokens.append((sum(tokens) + len(tokens) - 1 + shift) % 97)
+    return tokens[len(prompt) :]
+
+
+def test_a_model_class_written_under_python_c_is_served(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPL_SCRIPT, str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=1800,  # a hang guard only: it takes about a minute on a loaded 2-core machine
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = [_shifted_sum_continuation([3, 1, 4, 1, 5], 4, shift) for shift in (1, 2)]
+    assert result["outputs"] == want
+    assert result["written"] == []
+    assert proc.stderr.count("has no source file") == 1  # said once for the class name
