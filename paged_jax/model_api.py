@@ -105,7 +105,10 @@ class PagedModel(Protocol):
             attn_metadata: per KV-cache group slot_mappings i32[T] (-1 = drop) and
                 block_tables i32[S, W] (0 = null block), as tuples; ``for_group(g)``
                 gives one group's pair. Then seq_lens i32[S], query_start_loc i32[S+1],
-                logits_indices i32[S].
+                logits_indices i32[S]. (Contract v2; v1's single-group
+                ``attn_metadata.slot_mapping`` still reads group 0's for a one-group
+                model, deprecated: docs/research_integration.md, "Model contract
+                versions".)
             attention_backend: "reference" | "pallas" | "pallas_interpret" |
                 "mosaic_gpu" | "mosaic_gpu_interpret" | None (the model's default);
                 static under jit.
