@@ -197,8 +197,12 @@ if selected gpu_tests; then
     awk '!seen[$0]++')
   timeout_flag=()
   "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout=60)
+  # Tests compile (Triton on the device, the interpreter on CPU) on one core each: workers.
+  workers=()
+  workers_n=$([ "$MODE" = rehearse ] && echo 2 || echo 4)
+  "$py" -c "import xdist" 2>/dev/null && workers=(-n "${GPU_CHECKS_TEST_WORKERS:-$workers_n}")
   # shellcheck disable=SC2086 # one file per word; GPU_CHECKS_PYTEST_ARGS: e.g. -k ...
-  run_cell gpu_tests "$py" -m pytest -v -m gpu -p no:cacheprovider "${timeout_flag[@]}" \
+  run_cell gpu_tests "$py" -m pytest -v -m gpu -p no:cacheprovider "${timeout_flag[@]}" "${workers[@]}" \
     --junitxml="$LOGS/gpu_tests.xml" -o junit_family=xunit2 ${GPU_CHECKS_PYTEST_ARGS:-} \
     $gpu_test_files
 fi

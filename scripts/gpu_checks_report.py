@@ -47,11 +47,15 @@ MIN_KV_CACHE_MIB = 256  # the rehearsal's bench_decode keeps one cache this big
 MIN_WRITES_SEEN = 2  # distinct JSON contents seen while the cell ran: not only at exit
 POLL_S = 0.1
 
-# `pytest -v` result lines: "tests/x.py::test_y[id] PASSED    [ 12%]"
+# `pytest -v` result lines: "tests/x.py::test_y[id] PASSED    [ 12%]", under pytest-xdist
+# "[gw0] [ 12%] PASSED tests/x.py::test_y[id]", and the short summary's
+# "FAILED tests/x.py::test_y[id] - AssertionError ..." (-ra).
+_OUTCOME = r"(?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
 RESULT_LINE = re.compile(
-    r"^(?P<name>\S+::\S.*?) (?P<outcome>PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)"
-    r"(?: \((?P<reason>.*)\))?(?:\s+\[\s*\d+%\])?\s*$"
+    rf"^(?P<name>\S+::\S.*?) {_OUTCOME}(?: \((?P<reason>.*)\))?(?:\s+\[\s*\d+%\])?\s*$"
 )
+RESULT_LINE_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] {_OUTCOME} (?P<name>\S+::\S.*?)\s*$")
+SUMMARY_LINE = re.compile(r"^(?:FAILED|ERROR) (?P<name>\S+::\S.*?) - (?P<reason>.*)$")
 OUTCOMES = {
     "PASSED": "passed",
     "XPASS": "passed",
@@ -96,10 +100,15 @@ def gpu_tests_report(log_text: str, xml_path: pathlib.Path | None, *, mode: str)
     what finished) and, when pytest got to write it, its JUnit XML (messages, seconds)."""
     tests: dict[str, dict] = {}
     for line in log_text.splitlines():
-        m = RESULT_LINE.match(line.strip())
+        line = line.strip()
+        summary = SUMMARY_LINE.match(line)
+        if summary and summary["name"] in tests:
+            tests[summary["name"]]["message"] = summary["reason"][:300]
+            continue
+        m = RESULT_LINE.match(line) or RESULT_LINE_XDIST.match(line)
         if m:
             row = dict(name=m["name"], outcome=OUTCOMES[m["outcome"]])
-            if m["reason"]:
+            if m.groupdict().get("reason"):
                 row["message"] = m["reason"][:300]
             tests[m["name"]] = row
     xml_read = False
@@ -176,10 +185,14 @@ def watch(args) -> int:
             convert(final=False)
         data = read_json(json_path)
         running = alive(args.pid)  # after the read: the content was there while it ran
-        if running and data is not None and isinstance(data.get("metrics"), dict):
-            if data["metrics"]:
-                seen.add(json.dumps(data, sort_keys=True))
-                first_s = first_s if first_s is not None else time.monotonic() - t0
+        if (
+            running
+            and data is not None
+            and isinstance(data.get("metrics"), dict)
+            and data["metrics"]
+        ):
+            seen.add(json.dumps(data, sort_keys=True))
+            first_s = first_s if first_s is not None else time.monotonic() - t0
         if not running:
             break
         time.sleep(POLL_S)
@@ -228,12 +241,12 @@ def judge(name: str, rc: int, data: dict | None, watched: dict | None, mode: str
                 f"only {metrics['tests_run']} tests ran ({metrics['tests_skipped']} skipped); "
                 f"needs >= {MIN_TESTS_RUN[mode]}"
             )
-    if name == "bench_decode" and mode == "rehearse" and finite(metrics.get("max_kv_cache_mib")):
-        if metrics["max_kv_cache_mib"] < MIN_KV_CACHE_MIB:
-            problems.append(
-                f"max_kv_cache_mib {metrics['max_kv_cache_mib']} < {MIN_KV_CACHE_MIB}: no cache "
-                "big enough that a captured constant would show"
-            )
+    big = metrics.get("max_kv_cache_mib")
+    if name == "bench_decode" and mode == "rehearse" and finite(big) and big < MIN_KV_CACHE_MIB:
+        problems.append(
+            f"max_kv_cache_mib {metrics['max_kv_cache_mib']} < {MIN_KV_CACHE_MIB}: no cache "
+            "big enough that a captured constant would show"
+        )
     if watched is not None and watched["writes_seen_running"] < MIN_WRITES_SEEN:
         problems.append(
             f"its JSON was seen in {watched['writes_seen_running']} state(s) while it ran "

@@ -168,6 +168,13 @@ def test_gpu_tests_json_from_the_verbose_log_and_the_xml(tmp_path):
     assert got["tests"][2] == dict(
         name="tests/a.py::test_y", outcome="skipped", message="needs an NVIDIA GPU"
     )
+    assert got["tests"][1]["message"] == "AssertionError"  # from the -ra summary line
+    # The same under pytest-xdist (the cell runs workers).
+    xdist = "\n".join(
+        f"[gw{i % 2}] [ {25 * (i + 1)}%] {r['outcome'].upper()} {r['name']} "
+        for i, r in enumerate(got["tests"])
+    ).replace("FAILED tests/b.py", "ERROR tests/b.py")
+    assert report.gpu_tests_report(xdist, None, mode="x")["metrics"] == got["metrics"]
     # A killed pytest (no XML) keeps what finished; the XML, when written, adds messages.
     xml = tmp_path / "r.xml"
     xml.write_text(
@@ -195,17 +202,24 @@ if only_at_exit:
 
 
 @pytest.mark.parametrize("only_at_exit", [False, True], ids=["every_point", "only_at_exit"])
-def test_watcher_tells_a_json_rewritten_per_point_from_one_written_at_exit(
-    tmp_path, only_at_exit
-):
+def test_watcher_tells_a_json_rewritten_per_point_from_one_written_at_exit(tmp_path, only_at_exit):
     report = load_report()
     json_path, watched = tmp_path / "cell.json", tmp_path / "cell.watch.json"
     cell = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(json_path), "4", str(int(only_at_exit))]
     )
     watcher = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/gpu_checks_report.py"), "watch", "--pid",
-         str(cell.pid), "--json", str(json_path), "--out", str(watched)],
+        [
+            sys.executable,
+            str(ROOT / "scripts/gpu_checks_report.py"),
+            "watch",
+            "--pid",
+            str(cell.pid),
+            "--json",
+            str(json_path),
+            "--out",
+            str(watched),
+        ],
         timeout=60,
     )
     assert cell.wait() == 0 and watcher.returncode == 0
@@ -257,8 +271,13 @@ def test_check_fails_a_ninth_file_and_a_missing_cell(tmp_path, capsys):
 def test_rehearsed_smoke_cell_folds_into_summary_json(tmp_path):
     out, logs = tmp_path / "out", tmp_path / "logs"
     run = gpu_checks(
-        "--rehearse", "--cells", "smoke", timeout=400, OUT=str(out), GPU_CHECKS_LOGS=str(logs),
-        GPU_CHECKS_SLOWDOWN=os.environ.get("GPU_CHECKS_SLOWDOWN", "3"),
+        "--rehearse",
+        "--cells",
+        "smoke",
+        timeout=400,
+        OUT=str(out),
+        GPU_CHECKS_LOGS=str(logs),
+        GPU_CHECKS_SLOWDOWN=os.environ.get("GPU_CHECKS_SLOWDOWN", "6"),
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
@@ -286,9 +305,15 @@ def test_rehearsed_test_cell_runs_tests_under_pytest_timeout(tmp_path):
     --timeout alone and records each result from the -v log as tests finish."""
     out, logs = tmp_path / "out", tmp_path / "logs"
     run = gpu_checks(
-        "--rehearse", "--cells", "gpu_tests", timeout=600, OUT=str(out),
-        GPU_CHECKS_LOGS=str(logs), PYTHON=python_with_pytest_timeout(),
-        GPU_CHECKS_PYTEST_ARGS="-k write_kv", GPU_CHECKS_SLOWDOWN="3",
+        "--rehearse",
+        "--cells",
+        "gpu_tests",
+        timeout=600,
+        OUT=str(out),
+        GPU_CHECKS_LOGS=str(logs),
+        PYTHON=python_with_pytest_timeout(),
+        GPU_CHECKS_PYTEST_ARGS="-k write_kv",
+        GPU_CHECKS_SLOWDOWN=os.environ.get("GPU_CHECKS_SLOWDOWN", "6"),
     )
     summary = json.loads((out / "summary.json").read_text())
     (cell,) = summary["cells"]
