@@ -28,6 +28,8 @@
 # docs/kernels.md, "The first GPU run", says what each cell measures and what to commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# The whole script is one block, read before it runs: an edit while it runs cannot shift it.
+{
 MODE=device
 SELECTED=${GPU_CHECKS_CELLS:-all}
 while [ $# -gt 0 ]; do
@@ -196,7 +198,7 @@ if selected gpu_tests; then
     grep -rl "pytest.mark.gpu" tests --include='*.py' --exclude-dir=pallas_kernels) |
     awk '!seen[$0]++')
   timeout_flag=()
-  "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout=60)
+  "$py" -c "import pytest_timeout" 2>/dev/null && timeout_flag=(--timeout=$((60 * GPU_CHECKS_SLOWDOWN)))
   # Tests compile (Triton on the device, the interpreter on CPU) on one core each: workers.
   workers=()
   workers_n=$([ "$MODE" = rehearse ] && echo 2 || echo 4)
@@ -243,3 +245,5 @@ fi
 
 echo "== done in $(($(date +%s) - start)) s (cell limits ${total} s); results in $OUT/"
 report check --cells "$cell_list"
+exit
+}

@@ -165,7 +165,7 @@ def alive(pid: int) -> bool:
 
 def watch(args) -> int:
     """Polls a running cell's JSON until its process ends; records how many distinct valid
-    contents holding a non-empty "metrics" it saw while the process still ran. A script that
+    contents holding a "metrics" dict it saw while the process still ran. A script that
     writes its JSON only at exit shows at most one (a killed run would leave nothing)."""
     json_path, out = pathlib.Path(args.json), pathlib.Path(args.out)
     log = pathlib.Path(args.gpu_tests_log) if args.gpu_tests_log else None
@@ -185,12 +185,7 @@ def watch(args) -> int:
             convert(final=False)
         data = read_json(json_path)
         running = alive(args.pid)  # after the read: the content was there while it ran
-        if (
-            running
-            and data is not None
-            and isinstance(data.get("metrics"), dict)
-            and data["metrics"]
-        ):
+        if running and data is not None and isinstance(data.get("metrics"), dict):
             seen.add(json.dumps(data, sort_keys=True))
             first_s = first_s if first_s is not None else time.monotonic() - t0
         if not running:
@@ -202,7 +197,7 @@ def watch(args) -> int:
         out,
         dict(
             writes_seen_running=len(seen),
-            first_metrics_s=None if first_s is None else round(first_s, 2),
+            first_json_s=None if first_s is None else round(first_s, 2),
             ended_s=round(time.monotonic() - t0, 2),
         ),
     )

@@ -29,7 +29,14 @@ CELLS = [  # in order of value
 ]
 
 
+# The rehearsals run real cells on this CPU under gpu_checks.sh's per-cell limits, scaled by
+# GPU_CHECKS_SLOWDOWN: these tests check what the cells write, never how fast they ran,
+# so the scale is generous (a loaded 2-core machine runs many times slower than CI's).
+REHEARSAL_SLOWDOWN = os.environ.get("GPU_CHECKS_SLOWDOWN", "20")
+
+
 def gpu_checks(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
+    # timeout: a hang guard for the whole script, above every cell limit it scales.
     return subprocess.run(
         ["bash", "scripts/gpu_checks.sh", *args],
         cwd=ROOT,
@@ -192,7 +199,7 @@ import json, pathlib, sys, time
 path, points, only_at_exit = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 report = dict(metrics={})
 for i in range(points):
-    time.sleep(0.4)
+    time.sleep(1.5)  # the watcher polls every 0.1 s: it must miss a whole 1.5 s to fail
     report["metrics"]["points"] = i + 1
     if not only_at_exit:
         path.write_text(json.dumps(report))
@@ -220,7 +227,7 @@ def test_watcher_tells_a_json_rewritten_per_point_from_one_written_at_exit(tmp_p
             "--out",
             str(watched),
         ],
-        timeout=60,
+        timeout=300,  # a hang guard only: the writer ends after 4 x 1.5 s
     )
     assert cell.wait() == 0 and watcher.returncode == 0
     seen = json.loads(watched.read_text())
@@ -274,10 +281,10 @@ def test_rehearsed_smoke_cell_folds_into_summary_json(tmp_path):
         "--rehearse",
         "--cells",
         "smoke",
-        timeout=400,
+        timeout=40 * int(REHEARSAL_SLOWDOWN) + 600,  # above the smoke cell's scaled limit
         OUT=str(out),
         GPU_CHECKS_LOGS=str(logs),
-        GPU_CHECKS_SLOWDOWN=os.environ.get("GPU_CHECKS_SLOWDOWN", "6"),
+        GPU_CHECKS_SLOWDOWN=REHEARSAL_SLOWDOWN,
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
@@ -308,18 +315,19 @@ def test_rehearsed_test_cell_runs_tests_under_pytest_timeout(tmp_path):
         "--rehearse",
         "--cells",
         "gpu_tests",
-        timeout=600,
+        timeout=100 * int(REHEARSAL_SLOWDOWN) + 600,  # above gpu_tests' scaled limit
         OUT=str(out),
         GPU_CHECKS_LOGS=str(logs),
         PYTHON=python_with_pytest_timeout(),
         GPU_CHECKS_PYTEST_ARGS="-k write_kv",
-        GPU_CHECKS_SLOWDOWN=os.environ.get("GPU_CHECKS_SLOWDOWN", "6"),
+        GPU_CHECKS_SLOWDOWN=REHEARSAL_SLOWDOWN,
     )
     summary = json.loads((out / "summary.json").read_text())
     (cell,) = summary["cells"]
     assert cell["rc"] == 0, cell["log_tail"]
-    assert "--timeout=60" in cell["command"] and "-p pytest_timeout" not in cell["command"]
-    assert "timeout: 60.0s" in (logs / "gpu_tests.log").read_text()  # the plugin is on
+    limit = int(re.search(r"--timeout=(\d+)", cell["command"]).group(1))
+    assert limit == 60 * int(REHEARSAL_SLOWDOWN) and "-p pytest_timeout" not in cell["command"]
+    assert f"timeout: {limit}.0s" in (logs / "gpu_tests.log").read_text()  # the plugin is on
     tests = json.loads((out / "gpu_tests.json").read_text())
     assert tests["metrics"] == dict(tests_run=2, tests_passed=2, tests_failed=0, tests_skipped=0)
     assert {t["name"].split("::")[-1] for t in tests["tests"]} == {
