@@ -1,39 +1,49 @@
-"""Benchmark paged decode: our Pallas kernel vs JAX's own Pallas paged_attention vs XLA.
+"""Benchmark paged decode: our kernels vs JAX's own Pallas paged_attention vs XLA, as a
+fraction of 4.8 TB/s and of the copy ceiling measured on the same device in the same run.
 
-On a GPU: decode at batch {256, 64, 1} x context {8k, 2k}, biggest cell first (so a time
-limit cuts the small cells), Llama-3-8B-like heads (32 q / 8 kv, head_dim 128, bf16,
-block 16). Each cell times four implementations side by side in one process:
+``--part decode`` (default), on a GPU: decode at batch 1-256 x context 1k-32k
+(DECODE_CELLS, biggest first, so a time limit cuts the small cells), Llama-3-8B-like heads
+(32 q / 8 kv, head_dim 128, bf16, block 16). Each cell times four implementations:
 
-* ``pallas``: ``pallas_kernels.paged_attention`` (this repo's decode kernel, Triton);
+* ``pallas``: ``get_attention_ops("pallas").paged_attention`` (this repo's Triton kernel);
 * ``mosaic``: ``get_attention_ops("mosaic_gpu").paged_attention`` (this repo's Mosaic GPU
-  decode kernel), skipped with the reason when it cannot run (jax < 0.12, pre-Hopper);
+  kernel), skipped with the reason when it cannot run here (old jax, pre-Hopper GPU) and
+  recorded with its error when it fails;
 * ``jax_pallas``: ``jax.experimental.pallas.ops.gpu.paged_attention`` (JAX's Triton op,
   head-major pages, q pre-scaled since it applies no softmax scale), when importable;
-* ``xla_gather``: ``pallas_kernels.reference.paged_attention`` (plain XLA: gather the
-  pages through the block table in chunks, masked softmax).
+* ``xla_gather``: ``pallas_kernels.reference.paged_attention`` (plain XLA).
 
-Per implementation: median (min, max) microseconds per call, achieved bytes/s, and the
-fraction of 4.8 TB/s (``pallas_kernels.roofline``: every byte the call must move, at
-peak); per cell: the roofline time, the fraction the kernel's design predicts
-(``roofline.predicted_decode_fraction``) and our Triton kernel's speedup over the other
-three (``speedup_vs_mosaic``, ...). A second cell times a step's decode rows on its
-decode-only path, its mixed path and the ragged kernel alone, per token (target: the mixed
-path within 1.3x of decode-only). Every output is compared with the XLA reference
-(relative L2 error); the script exits 1 when one disagrees or one of our kernels (Triton,
-Mosaic) fails. Timing: one jitted ``fori_loop`` of n dependent calls (n traced, sized so
-a loop runs ~30 ms; n = 1 also gives the output to compare), REPS timed loops after a
-warm-up. The pool holds only the blocks the biggest cell needs,
-capped under 4 GiB per array as a real pool is (int32 element offsets); past the cap a
-few blocks are shared between sequences, and the JSON says how many. The JSON
-(--output) is rewritten after every implementation. ``--dry-run`` prints the cell order
-and its time budget without touching a device. On CPU (without --dry-run) it says it
-needs a GPU and runs a kernel-vs-reference smoke instead. ``--cpu-attention`` times the
-pure-JAX reference attention (the engine's path without a GPU) on the CPU backend at the
-step profile's decode shapes, a long context, one sequence and a prefill chunk, as
-effective GB/s beside this machine's numpy read bandwidth, with the implementation it
-replaced (``previous_reference``) timed in the same rounds.
+Timing (``pallas_kernels.timing``): one compiled loop of a static number of dependent calls
+per implementation and cell, every array (caches, tables, lengths, q) an argument of the
+jitted loop, never captured (a captured array is compiled in as a constant: the script
+refuses such a function before compiling it); the loop's first call gives the output that
+is compared with xla_gather (relative L2 error), then REPS timed loops, one sync each.
+Per implementation: median (min, max) us per call, GB/s of every byte the call must move
+(``pallas_kernels.roofline``), ``fraction_of_peak`` (of 4.8 TB/s on an H200, or the
+device's peak) and ``fraction_of_copy_ceiling`` (of ``timing.copy_ceiling``, measured at
+the start of the run). The pool holds the blocks the biggest cell needs, capped under
+4 GiB per array as a real pool is (int32 element offsets); past the cap blocks are shared
+between sequences, and the JSON says how many. The JSON (--output) is rewritten after
+every implementation and carries a "metrics" summary. Exit 1 when an output disagrees
+with xla_gather or our Triton kernel fails.
+
+``--part mixed``: the decode rows of a step per token, on the step's decode-only path
+(the decode kernel), its mixed path (step_attention with decode_only=False) and the ragged
+kernel alone, into its own JSON (target: mixed within 1.3x of decode-only per token).
+
+``--rehearse`` runs the same code on CPU with the kernels in Pallas interpret mode (the
+Mosaic ones in GPU interpret mode): one cell on a >= 256 MiB pool (every implementation
+lowered with the pool as an argument and checked for captured constants; only xla_gather
+timed, interpret mode takes minutes a call there) and one small cell with every
+implementation timed; its times are not kernel times. ``--dry-run`` prints the plan and
+its budget without touching a device. On CPU without --rehearse it runs a
+kernel-vs-reference smoke. ``--cpu-attention`` times the pure-JAX reference attention (the
+engine's path without a GPU) on the CPU backend as effective GB/s beside this machine's
+numpy read bandwidth, with the implementation it replaced timed in the same rounds.
 
     python scripts/bench_kernels.py --output gpu_results/bench_kernels.json
+    python scripts/bench_kernels.py --part mixed --output gpu_results/bench_mixed.json
+    python scripts/bench_kernels.py --rehearse --output /tmp/bench_kernels.json
     python scripts/bench_kernels.py --cpu-attention --output docs/cpu_attention.json
     python scripts/bench_kernels.py --dry-run
 """
@@ -42,20 +52,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from dataclasses import asdict, dataclass
 
 from pallas_kernels import roofline
 
-NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-DTYPE_NAME = "bfloat16"
-BATCHES = (256, 64, 1)  # biggest first
-CONTEXTS = (8192, 2048)
+START = time.monotonic()
+
+BLOCK_SIZE = 16
 IMPLS = ("pallas", "mosaic", "jax_pallas", "xla_gather")
-MOSAIC_BACKEND = "mosaic_gpu"  # the ops the "mosaic" impl runs (tests: "mosaic_gpu_interpret")
+RUN_ORDER = ("xla_gather", "pallas", "mosaic", "jax_pallas")  # the reference first
+OURS = ("pallas", "mosaic")
 H200_PEAK_GBPS = roofline.H200_BYTES_PER_S / 1e9
 PEAK_GBPS = {
     "H200": H200_PEAK_GBPS,
@@ -69,37 +80,119 @@ MAX_POOL_ARRAY_BYTES = 2**32 - 1
 MAX_REL_ERR = 2e-2  # bf16 inputs and outputs
 LOOP_SECONDS = 0.03  # device time of one timed loop
 REPS = 3  # timed loops per implementation (median)
+POOL_BASE_BLOCKS = 256  # distinct random blocks in a pool (repeated to fill it)
+COPY_CEILING_BYTES = 1 << 30  # the copy ceiling's array (GPU); rehearsal: 32 MiB
 # Planning figures for the dry run's budget (seconds): a compile per (cell, impl), the
-# timed loops, and the one-off start (jax import, cache fill, head-major copy).
+# timed loops, and the one-off start (jax import, copy ceiling, pool fill, head-major copy).
 PLAN_COMPILE_S = 4.0
 PLAN_START_S = 20.0
 
 
-def cells() -> list[tuple[int, int]]:
-    """(batch, context) in run order: the most bytes first."""
-    return sorted(((b, c) for b in BATCHES for c in CONTEXTS), key=lambda bc: -bc[0] * bc[1])
+@dataclass(frozen=True)
+class Heads:
+    """Attention heads and cache layout of one pool."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = BLOCK_SIZE
+    dtype: str = "bfloat16"
+
+    @property
+    def itemsize(self) -> int:
+        return 1 if "float8" in self.dtype else (4 if self.dtype == "float32" else 2)
+
+    def block_bytes(self) -> int:
+        """Bytes of one block of one cache array (K or V)."""
+        return self.num_kv_heads * self.block_size * self.head_dim * self.itemsize
+
+    def kv_bytes(self, contexts: list[int]) -> int:
+        """K and V bytes a decode call must read at least once."""
+        return sum(contexts) * self.num_kv_heads * self.head_dim * 2 * self.itemsize
+
+    def roofline_kw(self) -> dict:
+        return dict(
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            cache_itemsize=self.itemsize,
+            q_itemsize=self.itemsize,
+        )
 
 
-def plan_seconds() -> float:
-    per_impl = PLAN_COMPILE_S + (REPS + 2) * LOOP_SECONDS + 0.5
-    return PLAN_START_S + len(cells()) * len(IMPLS) * per_impl
+LLAMA = Heads(32, 8, 128)  # Llama-3-8B
+SMALL = Heads(8, 2, 64)  # the rehearsal's interpret-mode cells
 
 
-def kv_bytes(contexts: list[int], itemsize: int = 2) -> int:
-    """K and V bytes a decode call must read at least once: every context token, every KV head."""
-    return sum(contexts) * NUM_KV_HEADS * HEAD_DIM * 2 * itemsize
+@dataclass(frozen=True)
+class CellGroup:
+    """Decode cells (batch, context) on one pool, in run order; `timed` implementations
+    are timed, the others only lowered and checked for captured constants (why: `untimed`)."""
+
+    heads: Heads
+    cells: tuple[tuple[int, int], ...]
+    timed: tuple[str, ...] = IMPLS
+    untimed: str = ""
+    min_pool_blocks: int = 0  # a pool at least this big whatever the cells need
+
+    def pool_blocks(self) -> tuple[int, int]:
+        """(blocks in the pool, blocks the biggest cell must share): what the cells need
+        plus the null block, capped so each cache array stays under 4 GiB."""
+        needed = max(b * -(-c // self.heads.block_size) for b, c in self.cells) + 1
+        needed = max(needed, self.min_pool_blocks)
+        cap = MAX_POOL_ARRAY_BYTES // self.heads.block_bytes()
+        return min(needed, cap), max(0, needed - cap)
 
 
-def block_bytes(itemsize: int = 2) -> int:
-    return NUM_KV_HEADS * BLOCK_SIZE * HEAD_DIM * itemsize
+def by_bytes(cells) -> tuple[tuple[int, int], ...]:
+    """Cells with the most context tokens first (ties: the bigger batch first)."""
+    return tuple(sorted(cells, key=lambda bc: (-bc[0] * bc[1], -bc[0])))
 
 
-def pool_blocks(itemsize: int = 2) -> tuple[int, int]:
-    """(blocks in the pool, blocks the biggest cell must share): what the cells need plus
-    the null block, capped so each cache array stays under 4 GiB."""
-    needed = max(b * -(-c // BLOCK_SIZE) for b, c in cells()) + 1
-    cap = MAX_POOL_ARRAY_BYTES // block_bytes(itemsize)
-    return min(needed, cap), max(0, needed - cap)
+# batch 1-256 x context 1k-32k; the grid's corners and the target region (batch >= 64,
+# context >= 2k), biggest first.
+DECODE_CELLS = by_bytes(
+    [(256, 32768), (256, 8192), (64, 32768), (64, 8192), (256, 2048), (64, 2048),
+     (16, 8192), (256, 1024), (1, 32768), (16, 1024), (1, 1024)]
+)  # fmt: skip
+# The rehearsal: one cell on a pool of >= 256 MiB per array (Llama heads: 8,193 blocks of
+# 32 KiB), timed on xla_gather only (Pallas interpret mode over that pool: 262 s a call on
+# a loaded 2-core machine, jax 0.11.2), and one small cell where every implementation runs.
+REHEARSE_BIG = CellGroup(
+    LLAMA,
+    ((2, 256),),
+    min_pool_blocks=8193,
+    timed=("xla_gather",),
+    untimed="lowered with the >= 256 MiB pool as an argument and checked for captured "
+    "constants; not timed (Pallas interpret mode over this pool takes minutes a call)",
+)
+REHEARSE_SMALL = CellGroup(
+    SMALL,
+    ((2, 48),),
+    timed=("xla_gather", "pallas", "jax_pallas"),
+    untimed="lowered and checked only: the Mosaic GPU interpret mode took 94 s a call here "
+    "(batch 2, context 48) on a loaded 2-core machine",
+)
+MIXED_CELL = (64, 2048)  # decode rows of a step, batch x context
+REHEARSE_MIXED_CELL = (2, 40)
+
+
+def decode_plan(rehearse: bool) -> list[CellGroup]:
+    return [REHEARSE_BIG, REHEARSE_SMALL] if rehearse else [CellGroup(LLAMA, DECODE_CELLS)]
+
+
+def backends(rehearse: bool) -> dict[str, str]:
+    """The attention backends the parts run ("pallas" ops, "mosaic" ops, the step's ops)."""
+    if rehearse:
+        return dict(pallas="pallas_interpret", mosaic="mosaic_gpu_interpret")
+    return dict(pallas="pallas", mosaic="mosaic_gpu")
+
+
+def plan_seconds(plan: list[CellGroup] | None = None) -> float:
+    plan = plan or decode_plan(False)
+    per_impl = PLAN_COMPILE_S + (REPS + 1) * LOOP_SECONDS + 0.5
+    return PLAN_START_S + sum(len(g.cells) for g in plan) * len(IMPLS) * per_impl
 
 
 def peak_gbps(device_kind: str) -> float | None:
@@ -113,41 +206,6 @@ def loop_count(nbytes: int) -> int:
     return int(min(2000, max(10, LOOP_SECONDS * 3e12 / max(nbytes, 1))))
 
 
-def time_in_loop(attend: Callable, q, n: int) -> tuple[list[float], object]:
-    """(seconds per call of each timed loop, attend(q)) from one jitted loop of n calls.
-
-    n is traced, so one compile serves both the single call whose output is compared
-    and the timed loops. Each call's q is nudged by the previous output (1e-3), so XLA
-    can neither hoist nor merge the calls; one dispatch and one sync per loop.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    def body(_, carry):
-        x, _ = carry
-        o = attend(x)
-        return x + (o * 1e-3).astype(x.dtype), o
-
-    looped = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, body, (x, jnp.zeros_like(x))))
-    _, out = jax.block_until_ready(looped(q, 1))  # compile, and the output to compare
-    jax.block_until_ready(looped(q, n))  # warm-up
-    samples = []
-    for _ in range(REPS):
-        start = time.perf_counter()
-        jax.block_until_ready(looped(q, n))
-        samples.append((time.perf_counter() - start) / n)
-    return samples, out
-
-
-def median(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
-
-
-def us_stats(samples: list[float]) -> dict:
-    """Median, min and max of per-call seconds, in microseconds (the JSON's us fields)."""
-    return dict(us=median(samples) * 1e6, us_min=min(samples) * 1e6, us_max=max(samples) * 1e6)
-
-
 def rel_err(got, want) -> float:
     import numpy as np
 
@@ -157,38 +215,86 @@ def rel_err(got, want) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
-def jax_paged_attention():
+def jax_paged_attention(interpret: bool = False):
     """(JAX's own Pallas GPU paged_attention, None) or (None, why it cannot be imported)."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from jax.experimental.pallas.ops.gpu import paged_attention as mod
-        return mod.paged_attention, None
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         return None, f"{type(e).__name__}: {str(e)[:200]}"
+    if interpret:
+        import functools
+
+        return functools.partial(mod.paged_attention, interpret=True), None
+    return mod.paged_attention, None
 
 
-def mosaic_paged_attention():
-    """(the Mosaic GPU decode op of MOSAIC_BACKEND, None) or (None, why it cannot run here)."""
+def mosaic_paged_attention(backend: str):
+    """(the Mosaic GPU decode op of `backend`, None) or (None, why it cannot run here)."""
     import pallas_kernels as pk
     from pallas_kernels.backend import mosaic_unavailable
 
-    why = mosaic_unavailable(MOSAIC_BACKEND)
+    why = mosaic_unavailable(backend)
     if why is not None:
-        return None, why
-    return pk.get_attention_ops(MOSAIC_BACKEND).paged_attention, None
+        return None, f"{backend}: {why}"
+    try:
+        return pk.get_attention_ops(backend).paged_attention, None
+    except Exception as e:  # noqa: BLE001 - recorded as the reason it cannot run
+        return None, f"{backend}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i32[S])
-    """Block tables over a random permutation of the pool's blocks (scattered pages).
+def decode_fns(heads: Heads, pallas, mosaic=None, theirs=None) -> dict:
+    """impl -> f(q, *operands): every array an argument (``decode_operands`` gives them)."""
+    from pallas_kernels import reference
 
-    Blocks are dealt from the permutation in order and the deal wraps around when the
-    contexts need more than the pool holds (then a few blocks are shared).
-    """
+    scale = heads.head_dim**-0.5
+    fns = {
+        "xla_gather": lambda x, k, v, t, s: reference.paged_attention(x, k, v, t, s, scale=scale),
+        "pallas": lambda x, k, v, t, s: pallas(x, k, v, t, s, scale=scale),
+    }
+    if mosaic is not None:
+        fns["mosaic"] = lambda x, k, v, t, s: mosaic(x, k, v, t, s, scale=scale)
+    if theirs is not None:
+        # JAX's op applies no softmax scale: q is pre-scaled.
+        fns["jax_pallas"] = lambda x, kh, vh, t, s: theirs(x * scale, kh, vh, t, s)
+    return fns
+
+
+def decode_operands(impl: str, caches, head_major, tables, lens) -> tuple:
+    """The arrays `impl` takes after q: block-major caches, or JAX's head-major ones."""
+    k, v = head_major if impl == "jax_pallas" else caches
+    return (k, v, tables, lens)
+
+
+def make_pool(heads: Heads, num_blocks: int, seed: int = 0):  # -> (k_cache, v_cache)
+    """K and V caches of `num_blocks` blocks: N(0, 1) values drawn for up to POOL_BASE_BLOCKS
+    blocks and repeated over the pool (a random fill of a multi-GiB pool on a CPU takes
+    longer than the whole rehearsal cell). One jitted call per cache; nothing captured."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+
+    shape = pk.kv_cache_shape(num_blocks, heads.block_size, heads.num_kv_heads, heads.head_dim)
+    base = min(num_blocks, POOL_BASE_BLOCKS)
+
+    @jax.jit
+    def fill(key):
+        x = jax.random.normal(key, (2, base, *shape[1:]), jnp.float32).astype(heads.dtype)
+        return tuple(jnp.tile(c, (-(-num_blocks // base), 1, 1, 1))[:num_blocks] for c in x)
+
+    return fill(jax.random.PRNGKey(seed))
+
+
+def make_tables(rng, contexts: list[int], num_blocks: int, block_size: int = BLOCK_SIZE):
+    """(i32[S, W] block tables, i32[S] lengths) over a random permutation of the pool's
+    blocks (scattered pages). Blocks are dealt from the permutation in order and the deal
+    wraps around when the contexts need more than the pool holds (a few blocks shared)."""
     import jax.numpy as jnp
     import numpy as np
 
-    needed = [-(-c // BLOCK_SIZE) for c in contexts]
+    needed = [-(-c // block_size) for c in contexts]
     width = -(-max(needed) // 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
     perm = rng.permutation(np.arange(1, num_blocks))
     ids = perm[np.arange(sum(needed)) % perm.size]
@@ -201,7 +307,7 @@ def make_tables(rng, contexts: list[int], num_blocks: int):  # -> (i32[S, W], i3
 
 
 class Report:
-    """The JSON report, rewritten after every change."""
+    """The JSON report, rewritten (atomically) after every change."""
 
     def __init__(self, path: pathlib.Path, header: dict):
         self.path = path
@@ -219,199 +325,297 @@ class Report:
         tmp.replace(self.path)
 
 
-def run_gpu(args) -> int:
+def time_impl(fn, q, operands, *, n: int, reps: int, timed: bool, res: dict, nbytes: int,
+              peak_bps: float, ceiling_bps: float | None):  # fmt: skip
+    """Times one implementation into `res`; returns its first call's output (or None)."""
+    from pallas_kernels import timing
+
+    t, out = timing.time_loop(fn, q, operands, n=n, reps=reps, time_it=timed)
+    res["captured_constants"] = f"none over {timing.MAX_CONSTANT_BYTES} B"
+    res["lower_s"] = t.lower_s
+    if not t.samples_s:
+        return None
+    seconds = t.median_s
+    res.update(
+        calls_per_loop=n,
+        **t.us_stats(),
+        compile_s=t.compile_s,
+        gbps=nbytes / seconds / 1e9,
+        fraction_of_peak=nbytes / seconds / peak_bps,
+    )
+    if ceiling_bps:
+        res["fraction_of_copy_ceiling"] = nbytes / seconds / ceiling_bps
+    return out
+
+
+def decode_metrics(data: dict) -> dict:
+    """The top-level metrics of a decode report (every value a finite number)."""
+    rows = [r for r in data["results"] if "impls" in r]
+    timed = [(r, impl, res) for r in rows for impl, res in r["impls"].items() if "us" in res]
+    ours = [x for x in timed if x[1] in OURS] or timed  # ours, else whatever was timed
+    metrics = dict(
+        cells_timed=sum(any("us" in res for res in r["impls"].values()) for r in rows),
+        copy_ceiling_gbps=data["copy_ceiling"]["gbps"],
+        max_kv_cache_mib=max((g["kv_cache_mib"] for g in data["pools"]), default=0.0),
+    )
+    if ours:
+        metrics["best_fraction_of_peak"] = max(x[2]["fraction_of_peak"] for x in ours)
+        metrics["best_fraction_of_copy_ceiling"] = max(
+            x[2]["fraction_of_copy_ceiling"] for x in ours
+        )
+        best = max(ours, key=lambda x: x[2]["fraction_of_peak"])
+        data["best_fraction_of"] = dict(impl=best[1], batch=best[0]["batch"],
+                                        context=best[0]["context"])  # fmt: skip
+    speedups = [r["speedup_vs_jax_pallas"] for r in rows if "speedup_vs_jax_pallas" in r]
+    if speedups:  # geometric mean over the cells where both ran
+        metrics["speedup_vs_jax_pallas"] = math.exp(sum(map(math.log, speedups)) / len(speedups))
+        data.pop("speedup_vs_jax_pallas_missing", None)
+    else:
+        data["speedup_vs_jax_pallas_missing"] = (
+            data.get("jax_pallas_missing") or "no cell timed both pallas and jax_pallas"
+        )
+    return metrics
+
+
+def run_decode(args) -> int:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    import pallas_kernels as pk
-    from pallas_kernels import reference
+    from pallas_kernels import get_attention_ops, timing
 
+    rehearse = args.rehearse
+    names = backends(rehearse)
+    print(f"start {time.monotonic() - START:.1f} s", flush=True)
     device = jax.devices()[0]
     peak = args.peak_gbps or peak_gbps(device.device_kind) or H200_PEAK_GBPS
-    dtype = jnp.dtype(DTYPE_NAME)
-    theirs, theirs_missing = jax_paged_attention()
-    mosaic, mosaic_missing = mosaic_paged_attention()
-    num_blocks, shared = pool_blocks(dtype.itemsize)
+    theirs, theirs_missing = jax_paged_attention(interpret=rehearse)
+    mosaic, mosaic_missing = mosaic_paged_attention(names["mosaic"])
+    pallas = get_attention_ops(names["pallas"]).paged_attention
+    ceiling = timing.copy_ceiling(COPY_CEILING_BYTES >> 5 if rehearse else COPY_CEILING_BYTES,
+                                  n=3 if rehearse else 10)  # fmt: skip
+    plan = decode_plan(rehearse)
     report = Report(
         pathlib.Path(args.output),
         dict(
+            command="python scripts/bench_kernels.py " + " ".join(args.argv),
+            part="decode",
             device=device.device_kind,
+            rehearse=rehearse,
+            times_are_kernel_times=not rehearse,
             peak_gbps=peak,
+            copy_ceiling=ceiling,
             jax_version=jax.__version__,
+            pallas_backend=names["pallas"],
             jax_pallas_available=theirs is not None,
             jax_pallas_missing=theirs_missing,
-            mosaic_backend=MOSAIC_BACKEND,
+            mosaic_backend=names["mosaic"],
             mosaic_available=mosaic is not None,
             mosaic_missing=mosaic_missing,
-            shapes=dict(
-                num_q_heads=NUM_Q_HEADS,
-                num_kv_heads=NUM_KV_HEADS,
-                head_dim=HEAD_DIM,
-                block_size=BLOCK_SIZE,
-                dtype=DTYPE_NAME,
-            ),
-            pool=dict(
-                num_blocks=num_blocks,
-                bytes_per_array=num_blocks * block_bytes(dtype.itemsize),
-                blocks_shared_by_the_biggest_cell=shared,
-            ),
+            pools=[],
             timing=dict(
-                method="jitted fori_loop of n dependent calls (n traced), seconds / n",
+                method="pallas_kernels.timing.looped: one jitted fori_loop of n dependent "
+                "calls (n static), every array an argument; seconds per call = loop / n",
                 loop_seconds=LOOP_SECONDS,
-                reps=REPS,
+                reps=1 if rehearse else REPS,
                 statistic="median (min, max)",
             ),
             check=f"relative L2 error vs xla_gather <= {MAX_REL_ERR}",
-            fraction="roofline seconds (every byte at peak_gbps) / measured seconds",
+            fraction_of_peak="roofline bytes (every byte the call must move) / s / peak_gbps",
+            fraction_of_copy_ceiling="roofline bytes / s / copy_ceiling.gbps",
+            metrics={},
         ),
     )
-    rng = np.random.default_rng(0)
-    key = jax.random.PRNGKey(0)
-    shape = pk.kv_cache_shape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k_cache = jax.random.normal(key, shape, dtype)
-    v_cache = jax.random.normal(jax.random.fold_in(key, 1), shape, dtype)
-    theirs_cache = None
-    if theirs is not None:  # JAX's kernel wants head-major pages [kv, blocks, bs, d]
-        theirs_cache = (k_cache.transpose(1, 0, 2, 3), v_cache.transpose(1, 0, 2, 3))
-    scale = HEAD_DIM**-0.5
+    if rehearse:
+        report.data["note"] = "CPU rehearsal: interpret-mode times, not kernel times"
     deadline = time.monotonic() + args.time_limit
     failed = False
-    for batch, context in cells():
-        tables, lens = make_tables(rng, [context] * batch, num_blocks)
-        q = jax.random.normal(
-            jax.random.fold_in(key, batch * context), (batch, NUM_Q_HEADS, HEAD_DIM), dtype
-        )
-        shape_kw = dict(
-            num_q_heads=NUM_Q_HEADS,
-            num_kv_heads=NUM_KV_HEADS,
-            head_dim=HEAD_DIM,
-            block_size=BLOCK_SIZE,
-            cache_itemsize=dtype.itemsize,
-            q_itemsize=dtype.itemsize,
-        )
-        # Every byte the call must move (K/V, q, output, tables) at the device's peak.
-        floor = roofline.decode_traffic([context] * batch, **shape_kw)
-        fns = {
-            "pallas": lambda q, t=tables, s=lens: pk.paged_attention(
-                q, k_cache, v_cache, t, s, scale=scale
-            ),
-            "xla_gather": lambda q, t=tables, s=lens: reference.paged_attention(
-                q, k_cache, v_cache, t, s, scale=scale
-            ),
-        }
-        if mosaic is not None:
-            fns["mosaic"] = lambda q, t=tables, s=lens: mosaic(
-                q, k_cache, v_cache, t, s, scale=scale
+    rng = np.random.default_rng(0)
+    for group in plan:
+        heads = group.heads
+        num_blocks, shared = group.pool_blocks()
+        if time.monotonic() > deadline:
+            break
+        caches = make_pool(heads, num_blocks)
+        print(f"pool {time.monotonic() - START:.1f} s", flush=True)
+        # JAX's kernel wants head-major pages [kv, blocks, bs, d].
+        head_major = tuple(c.transpose(1, 0, 2, 3) for c in caches) if theirs else caches
+        report.data["pools"].append(
+            dict(
+                heads=asdict(heads),
+                cells=[list(c) for c in group.cells],
+                num_blocks=num_blocks,
+                bytes_per_array=num_blocks * heads.block_bytes(),
+                kv_cache_mib=2 * num_blocks * heads.block_bytes() / 2**20,
+                blocks_shared_by_the_biggest_cell=shared,
+                timed=list(group.timed),
+                untimed=group.untimed or None,
             )
-        if theirs_cache is not None:
-            fns["jax_pallas"] = lambda q, t=tables, s=lens: theirs(q * scale, *theirs_cache, t, s)
-        model = roofline.predicted_decode_fraction([context] * batch, **shape_kw)
-        row = dict(
-            batch=batch,
-            context=context,
-            kv_bytes=kv_bytes([context] * batch, dtype.itemsize),
-            roofline_bytes=floor.total_bytes,
-            roofline_us=floor.seconds(peak * 1e9) * 1e6,
-            predicted_fraction_of_peak=model["fraction"],
-            predicted_balance=model["balance"],
-            impls={},
         )
-        report.add(row)
-        outputs = {}
-        # The reference first: every other output is compared with it.
-        for impl in ("xla_gather", "pallas", "mosaic", "jax_pallas"):
-            res: dict = {}
-            row["impls"][impl] = res
-            if impl not in fns:
-                res["skipped"] = (
-                    f"{MOSAIC_BACKEND}: {mosaic_missing}"
-                    if impl == "mosaic"
-                    else f"jax.experimental.pallas.ops.gpu.paged_attention: {theirs_missing}"
-                )
-            elif time.monotonic() > deadline:
-                res["skipped"] = f"--time-limit={args.time_limit:.0f}s reached"
-            else:
-                n = loop_count(floor.total_bytes)
-                try:
-                    samples, outputs[impl] = time_in_loop(fns[impl], q, n)
-                    seconds = median(samples)
-                    res.update(
-                        calls_per_loop=n,
-                        **us_stats(samples),
-                        gbps=floor.total_bytes / seconds / 1e9,
-                        fraction_of_peak=floor.fraction(seconds, peak * 1e9),
-                    )
-                except Exception as e:  # noqa: BLE001 - keep measuring the other cells
-                    res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    failed |= impl in ("pallas", "mosaic")  # ours; JAX's may be absent
-            if impl in outputs and impl != "xla_gather" and "xla_gather" in outputs:
-                res["rel_err_vs_xla_gather"] = err = rel_err(outputs[impl], outputs["xla_gather"])
-                res["agrees"] = err <= MAX_REL_ERR
-                failed |= not res["agrees"]
-            report.flush()
-            print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)}", flush=True)
-        ours = row["impls"]["pallas"].get("us")
-        for other in ("mosaic", "jax_pallas", "xla_gather"):
-            theirs_us = row["impls"][other].get("us")
-            if ours and theirs_us:
-                row[f"speedup_vs_{other}"] = theirs_us / ours
-        report.flush()
-        del outputs
-        if (batch, context) == cells()[0] and time.monotonic() <= deadline:
-            # Second: the step's decode rows (the mixed-path target), before small cells.
-            failed |= mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak)
+        fns = decode_fns(heads, pallas, mosaic, theirs)
+        for batch, context in group.cells:
+            failed |= decode_cell(report, group, caches, head_major, fns, batch, context, rng,
+                                  peak, ceiling, deadline, args, theirs_missing, mosaic_missing)  # fmt: skip
+        del caches, head_major
+    report.data["metrics"] = decode_metrics(report.data)
+    report.flush()
+    print(f"metrics {json.dumps(report.data['metrics'])}")
     print(
         f"wrote {report.path}{'; FAILED: an output disagrees or our kernel failed' if failed else ''}"
     )
     return 1 if failed else 0
 
 
-MIXED_CELL = (64, 2048)  # decode rows of a step, batch x context
-STEP_BACKEND = "pallas"  # the ops the mixed-path cell runs (tests: "pallas_interpret")
-
-
-def mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak) -> bool:
-    """Decode tokens of a step on its three paths, per token, side by side: the step's
-    decode-only path, the mixed path (step_attention with decode_only=False: the decode
-    kernel for the single-token rows plus a ragged launch with no query block), and the
-    ragged kernel alone (each decode token a block_q-token query block). Target: the
-    mixed path within 1.3x of decode-only per token. Returns True on a disagreement."""
+def decode_cell(report, group, caches, head_major, fns, batch, context, rng, peak, ceiling,
+                deadline, args, theirs_missing, mosaic_missing) -> bool:  # fmt: skip
+    """Times every implementation on one (batch, context) cell; True on a failure."""
     import jax
     import jax.numpy as jnp
 
+    heads = group.heads
+    tables, lens = make_tables(rng, [context] * batch, caches[0].shape[0], heads.block_size)
+    key = jax.random.fold_in(jax.random.PRNGKey(1), batch * context)
+    q = jax.random.normal(key, (batch, heads.num_q_heads, heads.head_dim), jnp.float32)
+    q = q.astype(heads.dtype)
+    floor = roofline.decode_traffic([context] * batch, **heads.roofline_kw())
+    model = roofline.predicted_decode_fraction([context] * batch, **heads.roofline_kw())
+    row = dict(
+        batch=batch,
+        context=context,
+        kv_bytes=heads.kv_bytes([context] * batch),
+        roofline_bytes=floor.total_bytes,
+        roofline_us=floor.seconds(peak * 1e9) * 1e6,
+        predicted_fraction_of_peak=model["fraction"],
+        predicted_balance=model["balance"],
+        impls={},
+    )
+    report.add(row)
+    outputs, failed = {}, False
+    n = 1 if args.rehearse else loop_count(floor.total_bytes)
+    for impl in RUN_ORDER:
+        res: dict = {}
+        row["impls"][impl] = res
+        if impl not in fns:
+            res["skipped"] = mosaic_missing if impl == "mosaic" else (
+                f"jax.experimental.pallas.ops.gpu.paged_attention: {theirs_missing}")  # fmt: skip
+        elif time.monotonic() > deadline:
+            res["skipped"] = f"--time-limit={args.time_limit:.0f}s reached"
+        else:
+            timed = impl in group.timed
+            if not timed:
+                res["not_timed"] = group.untimed
+            operands = decode_operands(impl, caches, head_major, tables, lens)
+            try:
+                out = time_impl(fns[impl], q, operands, n=n, reps=1 if args.rehearse else REPS,
+                                timed=timed, res=res, nbytes=floor.total_bytes,
+                                peak_bps=peak * 1e9, ceiling_bps=ceiling["gbps"] * 1e9)  # fmt: skip
+                if out is not None:
+                    outputs[impl] = out
+            except Exception as e:  # noqa: BLE001 - keep measuring the other cells
+                res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                failed |= (
+                    impl == "pallas"
+                )  # ours; Mosaic's failures are recorded, JAX's may be absent
+        if impl in outputs and impl != "xla_gather" and "xla_gather" in outputs:
+            res["rel_err_vs_xla_gather"] = err = rel_err(outputs[impl], outputs["xla_gather"])
+            res["agrees"] = err <= MAX_REL_ERR
+            failed |= not res["agrees"]
+        report.data["metrics"] = decode_metrics(report.data)
+        report.flush()
+        print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)}", flush=True)
+        print(f"  ({time.monotonic() - START:.1f} s)", flush=True)
+    ours = row["impls"]["pallas"].get("us")
+    for other in ("mosaic", "jax_pallas", "xla_gather"):
+        theirs_us = row["impls"][other].get("us")
+        if ours and theirs_us:
+            row[f"speedup_vs_{other}"] = theirs_us / ours
+    report.data["metrics"] = decode_metrics(report.data)
+    report.flush()
+    return failed
+
+
+def mixed_fns(heads: Heads, ops) -> dict:
+    """The step's decode rows on its three paths: impl -> f(q, k, v, tables, lens, qsl)."""
     import pallas_kernels as pk
 
-    batch, context = MIXED_CELL
-    tables, lens = make_tables(rng, [context] * batch, num_blocks)
-    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
-    q = jax.random.normal(jax.random.fold_in(key, 7), (batch, NUM_Q_HEADS, HEAD_DIM), k_cache.dtype)
-    ops = pk.get_attention_ops(STEP_BACKEND)
-    scale = HEAD_DIM**-0.5
+    scale = heads.head_dim**-0.5
 
     def step(decode_only):
-        return lambda x: pk.step_attention(
-            ops.for_step(), x, k_cache, v_cache, tables, lens, qsl, decode_only=decode_only,
-            scale=scale,
-        )  # fmt: skip
+        return lambda x, k, v, t, s, qsl: pk.step_attention(
+            ops.for_step(), x, k, v, t, s, qsl, decode_only=decode_only, scale=scale
+        )
 
-    fns = {
+    return {
         "step_decode_only": step(True),
         "step_mixed_path": step(False),
-        "ragged_kernel": lambda x: ops.ragged_paged_attention(
-            x, k_cache, v_cache, tables, lens, qsl, scale=scale
+        "ragged_kernel": lambda x, k, v, t, s, qsl: ops.ragged_paged_attention(
+            x, k, v, t, s, qsl, scale=scale
         ),
     }
+
+
+def run_mixed(args) -> int:
+    """Decode tokens of a step on its three paths, per token, side by side: the step's
+    decode-only path (the decode kernel), the mixed path (step_attention with
+    decode_only=False: the decode kernel for the single-token rows plus a ragged launch
+    with no query block), and the ragged kernel alone (each decode token a block_q-token
+    query block). Target: the mixed path within 1.3x of decode-only per token."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+
+    rehearse = args.rehearse
+    heads = SMALL if rehearse else LLAMA
+    batch, context = REHEARSE_MIXED_CELL if rehearse else MIXED_CELL
+    group = CellGroup(heads, ((batch, context),))
+    num_blocks, _ = group.pool_blocks()
+    backend = backends(rehearse)["pallas"]
+    device = jax.devices()[0]
+    report = Report(
+        pathlib.Path(args.output),
+        dict(
+            command="python scripts/bench_kernels.py " + " ".join(args.argv),
+            part="mixed",
+            device=device.device_kind,
+            rehearse=rehearse,
+            times_are_kernel_times=not rehearse,
+            jax_version=jax.__version__,
+            step_backend=backend,
+            heads=asdict(heads),
+            pool=dict(num_blocks=num_blocks, bytes_per_array=num_blocks * heads.block_bytes()),
+            timing="pallas_kernels.timing.looped: n dependent calls (n static), every array "
+            "an argument; us per token = us per call / batch",
+            metrics={},
+        ),
+    )
+    if rehearse:
+        report.data["note"] = "CPU rehearsal: interpret-mode times, not kernel times"
+    rng = np.random.default_rng(0)
+    caches = make_pool(heads, num_blocks)
+    tables, lens = make_tables(rng, [context] * batch, num_blocks, heads.block_size)
+    qsl = jnp.arange(batch + 1, dtype=jnp.int32)
+    q = jax.random.normal(jax.random.PRNGKey(7), (batch, heads.num_q_heads, heads.head_dim))
+    q = q.astype(heads.dtype)
+    fns = mixed_fns(heads, pk.get_attention_ops(backend))
     row = dict(cell="decode rows of a step", batch=batch, context=context, impls={})
     report.add(row)
     outputs, failed = {}, False
-    n = loop_count(kv_bytes([context] * batch, k_cache.dtype.itemsize))
+    n = 1 if rehearse else loop_count(heads.kv_bytes([context] * batch))
+    deadline = time.monotonic() + args.time_limit
     for impl, fn in fns.items():
         res: dict = {}
         row["impls"][impl] = res
+        if time.monotonic() > deadline:
+            res["skipped"] = f"--time-limit={args.time_limit:.0f}s reached"
+            continue
         try:
-            samples, outputs[impl] = time_in_loop(fn, q, n)
-            res.update(**us_stats(samples), us_per_token=median(samples) * 1e6 / batch)
+            out = time_impl(fn, q, (*caches, tables, lens, qsl), n=n,
+                            reps=1 if rehearse else REPS, timed=True, res=res,
+                            nbytes=heads.kv_bytes([context] * batch), peak_bps=H200_PEAK_GBPS * 1e9,
+                            ceiling_bps=None)  # fmt: skip
+            outputs[impl] = out
+            res["us_per_token"] = res["us"] / batch
         except Exception as e:  # noqa: BLE001 - keep measuring the others
             res["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             failed = True
@@ -421,6 +625,7 @@ def mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak) -> boo
             )
             res["agrees"] = err <= MAX_REL_ERR
             failed |= not res["agrees"]
+        report.data["metrics"] = mixed_metrics(row)
         report.flush()
         print(f"step rows b={batch} ctx={context} {impl:18s} {res.get('us', res.get('error'))}")
     base = row["impls"]["step_decode_only"].get("us")
@@ -428,19 +633,37 @@ def mixed_path_cell(report, k_cache, v_cache, num_blocks, rng, key, peak) -> boo
         us = row["impls"][impl].get("us")
         if base and us:
             row[f"{impl}_per_token_vs_decode_only"] = us / base
+    report.data["metrics"] = mixed_metrics(row)
     report.flush()
-    return failed
+    print(f"metrics {json.dumps(report.data['metrics'])}")
+    print(f"wrote {report.path}{'; FAILED: a path disagrees or failed' if failed else ''}")
+    return 1 if failed else 0
+
+
+def mixed_metrics(row: dict) -> dict:
+    impls = row["impls"]
+    out = {}
+    dec = impls.get("step_decode_only", {}).get("us_per_token")
+    mix = impls.get("step_mixed_path", {}).get("us_per_token")
+    if dec is not None:
+        out["decode_us_per_token"] = dec
+    if mix is not None:
+        out["mixed_us_per_token"] = mix
+    if dec and mix:
+        out["mixed_over_decode"] = mix / dec
+    return out
 
 
 def shown(res: dict) -> str:
     if "us" not in res:
-        return res.get("error", res.get("skipped", ""))[:90]
+        return res.get("error", res.get("skipped", res.get("not_timed", "")))[:90]
     agree = ""
     if "rel_err_vs_xla_gather" in res:
         agree = f"  err {res['rel_err_vs_xla_gather']:.1e}{'' if res['agrees'] else ' DISAGREES'}"
     return (
-        f"{res['us']:9.1f} us ({res['us_min']:.1f}-{res['us_max']:.1f}) {res['gbps']:7.0f} GB/s "
-        f"{100 * res['fraction_of_peak']:5.1f}% of peak{agree}"
+        f"{res['us']:9.1f} us ({res['us_min']:.1f}-{res['us_max']:.1f}) {res['gbps']:7.1f} GB/s "
+        f"{100 * res['fraction_of_peak']:5.1f}% of peak "
+        f"{100 * res.get('fraction_of_copy_ceiling', float('nan')):5.1f}% of copy{agree}"
     )
 
 
@@ -789,36 +1012,50 @@ def partial_qsl(ragged, query_start_loc):
 
 
 def print_plan(args) -> None:
-    num_blocks, shared = pool_blocks()
+    if args.part == "mixed":
+        b, c = REHEARSE_MIXED_CELL if args.rehearse else MIXED_CELL
+        print(f"bench_kernels plan (mixed): step rows b={b} ctx={c} "
+              "(decode-only / mixed / ragged), per token")  # fmt: skip
+        return
+    plan = decode_plan(args.rehearse)
+    for group in plan:
+        h = group.heads
+        num_blocks, shared = group.pool_blocks()
+        print(
+            f"bench_kernels plan: decode, {h.num_q_heads} q / {h.num_kv_heads} kv heads, head_dim "
+            f"{h.head_dim}, {h.dtype}, block {h.block_size}; peak {H200_PEAK_GBPS:.0f} GB/s (H200) "
+            "and the copy ceiling measured at the start"
+        )
+        print(
+            f"bench_kernels pool: {num_blocks} blocks, {num_blocks * h.block_bytes()} B per array "
+            f"(< 4 GiB), {shared} blocks shared by the biggest cell"
+        )
+        for batch, context in group.cells:
+            for impl in IMPLS:
+                timed = "" if impl in group.timed else " (lowered only)"
+                print(f"  cell decode b={batch} ctx={context} {impl}{timed}")
+    cells = sum(len(g.cells) for g in plan)
     print(
-        f"bench_kernels plan: decode, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head_dim "
-        f"{HEAD_DIM}, {DTYPE_NAME}, block {BLOCK_SIZE}; peak {H200_PEAK_GBPS:.0f} GB/s (H200)"
-    )
-    print(
-        f"bench_kernels pool: {num_blocks} blocks, {num_blocks * block_bytes()} B per array "
-        f"(< 4 GiB), {shared} blocks shared by the biggest cell"
-    )
-    for i, (batch, context) in enumerate(cells()):
-        for impl in IMPLS:
-            print(f"  cell decode b={batch} ctx={context} {impl}")
-        if i == 0:
-            b, c = MIXED_CELL
-            print(f"  cell step rows b={b} ctx={c} (decode-only / mixed / ragged)")
-    print(
-        f"bench_kernels budget: {len(cells()) * len(IMPLS)} cells x ~{PLAN_COMPILE_S:.0f} s "
-        f"compile + {REPS + 2} loops x {LOOP_SECONDS * 1e3:.0f} ms, + {PLAN_START_S:.0f} s start "
-        f"= ~{plan_seconds():.0f} s (stops starting cells after --time-limit={args.time_limit:.0f} s)"
+        f"bench_kernels budget: {cells * len(IMPLS)} cells x ~{PLAN_COMPILE_S:.0f} s "
+        f"compile + {REPS + 1} loops x {LOOP_SECONDS * 1e3:.0f} ms, + {PLAN_START_S:.0f} s start "
+        f"= ~{plan_seconds(plan):.0f} s (stops starting cells after --time-limit={args.time_limit:.0f} s)"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", default="bench_results/bench_kernels.json")
+    parser.add_argument("--output", default=None, help="default bench_results/bench_<part>.json")
+    parser.add_argument("--part", choices=("decode", "mixed"), default="decode")
     parser.add_argument("--peak-gbps", type=float, default=None, help="override the device's peak")
     parser.add_argument(
         "--time-limit", type=float, default=120.0, help="start no new cell after this many s"
     )
     parser.add_argument("--dry-run", action="store_true", help="print the plan; touch no device")
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="the same code on CPU, kernels in interpret mode, shapes cut to fit a CPU",
+    )
     parser.add_argument(
         "--cpu-attention",
         action="store_true",
@@ -828,6 +1065,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=9, help="--cpu-attention timed calls")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.output is None:
+        name = "bench_kernels" if args.part == "decode" else "bench_mixed"
+        args.output = f"bench_results/{name}.json"
     if args.dry_run:
         print_plan(args)
         return 0
@@ -835,8 +1075,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_cpu_attention(args)
     import jax
 
-    if jax.default_backend() == "gpu":
-        return run_gpu(args)
+    if jax.default_backend() == "gpu" or args.rehearse:
+        return run_mixed(args) if args.part == "mixed" else run_decode(args)
     print("bench_kernels: timing needs an NVIDIA GPU; running a CPU correctness smoke instead.")
     return run_cpu_smoke(args)
 
