@@ -21,6 +21,8 @@ SCRIPT = ROOT / "scripts" / "autotune_kernels.py"
 
 
 def autotune(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    # timeout: a hang guard, not a speed limit (a jax import alone can take tens of
+    # seconds on a loaded 2-core machine); no test asserts how long the script ran.
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     return subprocess.run(
         [sys.executable, str(SCRIPT), *args],
@@ -41,7 +43,7 @@ def load_script():
 
 
 def test_dry_run_plans_the_most_used_keys_first_and_marks_the_cut():
-    out = autotune("--dry-run", "--time-limit", "100", timeout=60)
+    out = autotune("--dry-run", "--time-limit", "100")
     assert out.returncode == 0, out.stderr
     keys = re.findall(r"key (\S+)\s+(\d+) configs\s+~\s*(\d+) s(.*)", out.stdout)
     labels = [k[0] for k in keys]
@@ -139,5 +141,5 @@ def test_time_limit_stops_cleanly_and_writes_nothing(tmp_path):
 
 
 def test_interpret_never_writes_the_packaged_table():
-    out = autotune("--interpret", "--write", timeout=60)
+    out = autotune("--interpret", "--write")
     assert out.returncode == 2 and "needs --table" in out.stderr

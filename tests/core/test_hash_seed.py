@@ -33,7 +33,7 @@ def _hashes(pythonhashseed: str | None) -> dict[str, list[str]]:
         capture_output=True,
         text=True,
         check=True,
-        timeout=120,
+        timeout=300,  # a hang guard only: a bare interpreter start and two hashes
     )
     return json.loads(proc.stdout)
 

@@ -24,7 +24,9 @@ from paged_jax.entrypoints.replica import CRASH_HOOK_ENV  # noqa: E402
 
 ENGINE = ["--block-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "32"]
 ENGINE += ["--max-model-len", "64", "--max-tokens", "6", "--no-tqdm"]
-RAY_TIMEOUT_S = 300
+# A hang guard, not a speed limit: Ray start, replicas and their compiles take minutes on
+# a loaded 2-core machine; no test asserts how long a run took.
+RAY_TIMEOUT_S = 900
 # Prompts with distinct first blocks, so prefix-cache hits (num_cached_tokens) do not
 # depend on which replica serves which request.
 LINES = [{"id": f"r{i}", "prompt": f"{chr(97 + i)}{i} request {i * 13}"} for i in range(12)]

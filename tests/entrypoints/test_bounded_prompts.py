@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import pytest
 
@@ -13,6 +12,15 @@ from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
 from paged_jax.entrypoints.generate_cli import main as generate_main
 from paged_jax.entrypoints.prompts_file import line_byte_limit, read_prompt_lines
 from paged_jax.testing.bounded import call_within
+
+# A hang guard, not a speed limit: an endless read or a stuck engine fails the test
+# instead of blocking CI. Far above any of these calls, including a first compile on a
+# loaded 2-core machine (a SumModel LLM start and generate took 55 s at load average 15);
+# no test here asserts a duration.
+HANG_GUARD_S = 600
+# The same for the prompt-file reads: the longest, /dev/zero up to the 1 GiB limit, took
+# 0.54 s on a loaded 2-core machine.
+READ_GUARD_S = 60
 
 ENGINE = ["--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "16"]
 ENGINE += ["--max-model-len", "64", "--no-compile-cache", "--no-tqdm"]
@@ -28,9 +36,9 @@ def test_an_endless_line_is_refused_after_the_total_limit(tmp_path):
     # /dev/zero never sends a newline: the reader stops at the total limit, keeping
     # at most one line's limit in memory, instead of growing until the OOM killer.
     with pytest.raises(ValueError, match=r"--prompts='/dev/zero' is longer than 1024 bytes"):
-        call_within(30, read_prompt_lines, "/dev/zero", 4, max_total_bytes=1024)
+        call_within(READ_GUARD_S, read_prompt_lines, "/dev/zero", 4, max_total_bytes=1024)
     with pytest.raises(ValueError, match=r"endless input"):
-        call_within(60, read_prompt_lines, "/dev/zero", 64)
+        call_within(READ_GUARD_S, read_prompt_lines, "/dev/zero", 64)
 
 
 def test_too_many_lines_are_refused(tmp_path, monkeypatch):
@@ -44,7 +52,7 @@ def test_an_overlong_line_is_an_error_record_and_the_others_are_kept(tmp_path):
     path = tmp_path / "p.jsonl"
     long_line = json.dumps({"prompt": "x" * (limit + 10)})
     path.write_text(f'{{"prompt": "a"}}\n{long_line}\n{{"prompt": "b"}}\n')
-    fmt, lines = call_within(30, read_prompt_lines, str(path), 4)
+    fmt, lines = call_within(READ_GUARD_S, read_prompt_lines, str(path), 4)
     assert fmt == "jsonl"
     assert [(x.line, x.value) for x in lines if x.error is None] == [(1, "a"), (3, "b")]
     assert lines[1].line == 2 and lines[1].value is None
@@ -60,13 +68,11 @@ def test_a_32_mb_line_is_rejected_by_size_and_the_others_complete(model_dir, tmp
         f.write("one\n" + "x" * (32 << 20) + "\nthree\n")
     out = tmp_path / "out.jsonl"
     args = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out)]
-    t0 = time.perf_counter()
-    code = call_within(600, generate_main, [*args, "--max-tokens", "2", *ENGINE])
+    code = call_within(HANG_GUARD_S, generate_main, [*args, "--max-tokens", "2", *ENGINE])
     assert code == 1, capsys.readouterr().err
     records = {r["line"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert records[1]["error"] is None and records[3]["error"] is None
     assert records[2]["error"].startswith(f"line 2: longer than {line_byte_limit(64)} bytes")
-    assert time.perf_counter() - t0 < 300
 
 
 def test_prompts_from_dev_zero_exit_2_in_one_line(model_dir, capsys, monkeypatch):
@@ -75,7 +81,7 @@ def test_prompts_from_dev_zero_exit_2_in_one_line(model_dir, capsys, monkeypatch
 
     monkeypatch.setattr("paged_jax.llm.LLM", no_load)
     args = ["--model", str(model_dir), "--prompts", "/dev/zero", *ENGINE]
-    assert call_within(120, generate_main, args) == 2
+    assert call_within(HANG_GUARD_S, generate_main, args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert "--prompts='/dev/zero' is longer than" in err and "endless input" in err
@@ -119,12 +125,16 @@ def test_a_huge_string_to_llm_generate_is_rejected_before_tokenizing():
             f"has at most {bound} characters"
         )
         with pytest.raises(ValueError) as info:
-            call_within(60, llm.generate, text, SamplingParams(max_tokens=2), use_tqdm=False)
+            call_within(
+                HANG_GUARD_S, llm.generate, text, SamplingParams(max_tokens=2), use_tqdm=False
+            )
         assert str(info.value) == expected
     assert tokenizer.lengths == []  # neither long text reached the tokenizer
     # generate_iter: the long prompt gets an error output, the other one completes.
     outs = dict(
-        call_within(60, list, llm.generate_iter([huge, "hi"], SamplingParams(max_tokens=2)))
+        call_within(
+            HANG_GUARD_S, list, llm.generate_iter([huge, "hi"], SamplingParams(max_tokens=2))
+        )
     )
     assert "cannot fit max_model_len=64" in outs[0].error
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 2

@@ -99,7 +99,8 @@ def _fresh(mode: str, model_dir, cache, tp: int = 1) -> dict:
     if tp > 1:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
     cmd = [sys.executable, "-c", SCRIPT, mode, str(model_dir), str(cache), str(tp)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # timeout: a hang guard only (minutes on a loaded 2-core machine are fine).
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

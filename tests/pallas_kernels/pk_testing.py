@@ -208,5 +208,6 @@ def lower_for_cuda(fn, *shapes) -> str:
 
 def with_timeout(fn, *args, limit_s: float = 300, **kwargs):
     """fn(*args, **kwargs), blocked until ready, in a thread: the test fails if it runs
-    past `limit_s` instead of hanging CI (an interpreted kernel call takes seconds)."""
+    past `limit_s` instead of hanging CI (an interpreted kernel call takes seconds). The
+    limit is that hang guard, generous on purpose, never a speed check."""
     return call_within(limit_s, lambda: jax.block_until_ready(fn(*args, **kwargs)))

@@ -150,7 +150,7 @@ def results(checkpoints, prompts, tmp_path_factory):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=2400,  # a hang guard only: every family at TP 1-8, minutes under load
     )
     assert proc.returncode == 0, f"tp_checks failed:\n{proc.stderr[-4000:]}"
     return json.loads((tmp / "out.json").read_text())
