@@ -95,23 +95,37 @@ def _mosaic_ops(interpret: bool, validate: bool) -> AttentionOps:
     )
 
 
-def mosaic_unavailable(name: str) -> str | None:
+def mosaic_unavailable(name: str, target=None) -> str | None:
     """Why backend `name` ("mosaic_gpu" or "mosaic_gpu_interpret") cannot run here, in
     one line, or None. Both need jax >= names.MOSAIC_MIN_JAX_VERSION; "mosaic_gpu" also
-    a GPU of compute capability >= 9 (Hopper: TMA and wgmma)."""
+    a GPU of compute capability >= 9 (Hopper: TMA and wgmma).
+
+    Args:
+        name: The backend name.
+        target: The device the kernels will be compiled for, when it is not this
+            process's default device: e.g. a compile-only H200 from
+            ``jax.experimental.topologies`` (a deviceless compile on a CPU host). Its
+            platform and compute capability are checked instead of
+            ``jax.devices()[0]``'s. None: the default device.
+    """
     reason = mosaic_jax_reason(jax.__version__)
     if reason is not None or name != "mosaic_gpu":
         return reason
-    if jax.default_backend() != "gpu":
-        return (
-            f"the Mosaic GPU kernels need an NVIDIA GPU, found the {jax.default_backend()} platform"
-        )
-    device = jax.devices()[0]
-    capability = str(getattr(device, "compute_capability", "0"))
+    if target is None:
+        if jax.default_backend() != "gpu":
+            return (
+                "the Mosaic GPU kernels need an NVIDIA GPU, found the "
+                f"{jax.default_backend()} platform (compiling for a GPU target: "
+                "get_attention_ops(..., target=device))"
+            )
+        target = jax.devices()[0]
+    elif target.platform != "gpu":
+        return f"the Mosaic GPU kernels need an NVIDIA GPU target, got a {target.platform} device"
+    capability = str(getattr(target, "compute_capability", "0"))
     if float(capability) < 9:
         return (
             f"the Mosaic GPU kernels need a Hopper or newer GPU (compute capability >= 9.0), "
-            f"found {device.device_kind} ({capability})"
+            f"found {target.device_kind} ({capability})"
         )
     return None
 
@@ -147,7 +161,7 @@ def valid_backends(platform: str | None = None) -> tuple[str, ...]:
 
     "pallas" compiles the kernels with Triton and "mosaic_gpu" with Mosaic GPU, so both
     need a GPU; elsewhere the kernels only run in an interpreter ("pallas_interpret",
-    "mosaic_gpu_interpret"). Both Mosaic names need jax >= 0.12 (``mosaic_unavailable``;
+    "mosaic_gpu_interpret"). Both Mosaic names need jax >= 0.11.2 (``mosaic_unavailable``;
     a pre-Hopper GPU is refused when the ops are built).
     """
     platform = platform or jax.default_backend()
@@ -173,7 +187,7 @@ def check_backend(name: str, platform: str | None = None) -> None:
 
 
 def get_attention_ops(
-    name: AttentionBackend | AttentionOps = "auto", *, validate: bool = False
+    name: AttentionBackend | AttentionOps = "auto", *, validate: bool = False, target=None
 ) -> AttentionOps:
     """Returns the paged ops of one backend.
 
@@ -181,7 +195,7 @@ def get_attention_ops(
         name: "auto" (Pallas kernels when ``jax.default_backend() == "gpu"``, else the
             pure-JAX reference), "pallas" (Pallas/Triton kernels, GPU), "pallas_interpret"
             (the same kernels run by the Pallas interpreter, for CPU tests), "mosaic_gpu"
-            (the Mosaic GPU attention kernels: Hopper or newer, jax >= 0.12),
+            (the Mosaic GPU attention kernels: Hopper or newer, jax >= 0.11.2),
             "mosaic_gpu_interpret" (the same in GPU interpret mode on CPU) or
             "reference"; an AttentionOps (e.g. one whose ops run per shard of a mesh) is
             returned as is. "auto" keeps the Triton kernels on a GPU until a measurement
@@ -189,6 +203,12 @@ def get_attention_ops(
         validate: Bind ``validate=True`` into every op: block ids, slots, lengths and
             copy pairs are range-checked on device with checkify (a debug path: the
             caller wraps its jitted function in ``checkify.checkify``).
+        target: For a compile-only caller: the GPU device the ops will be compiled for
+            (a deviceless compile, e.g. scripts/gpu_compile_check.py's compile-only H200
+            on a CPU host). "mosaic_gpu" is then checked against it rather than against
+            this process's devices, so the ops come back without a GPU client; running
+            them still needs the GPU. None (every engine): this process's default device,
+            so a CPU engine asking for "mosaic_gpu" is refused.
 
     Raises:
         ValueError: ``name`` is not one of the names above, or a Mosaic name where it
@@ -202,7 +222,7 @@ def get_attention_ops(
         interpret = {"interpret": True} if name == "pallas_interpret" else {}
         return _bind(_pallas_ops(), validate, **interpret)
     if name in ("mosaic_gpu", "mosaic_gpu_interpret"):
-        reason = mosaic_unavailable(name)
+        reason = mosaic_unavailable(name, target)
         if reason is not None:
             raise ValueError(f"attention_backend={name!r}: {reason}")
         return _mosaic_ops(name == "mosaic_gpu_interpret", validate)

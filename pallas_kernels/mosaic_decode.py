@@ -29,15 +29,16 @@ or in unused slots of a sequence's last page never reaches the output (0 * NaN i
 fp8 caches (e4m3fn / e5m2): pages are copied as fp8 and widened to q's dtype in SMEM
 (exact) before the products; k_scale multiplies the scores, v_scale the output.
 
-What GPU interpret mode (``plgpu.InterpretGPUParams``, jax 0.12.0.1, on CPU) runs, as
-exercised by this kernel and its tests: ``plgpu.kernel`` with a multi-dimensional grid and
+What GPU interpret mode (``plgpu.InterpretGPUParams``; jax 0.11.2 and 0.12.0.1, on CPU)
+runs, as exercised by this kernel and its tests: ``plgpu.kernel`` with a multi-dimensional grid and
 one warpgroup; TMA ``copy_gmem_to_smem`` of a dynamically indexed page (the id read as a
 scalar from the block table in GMEM) into a row slice of a tiled + swizzled SMEM slot;
 barriers with several arrivals per phase, reused across ring phases; ``wgmma`` from SMEM
 operands (including a transposed view) into a ``plgpu.ACC`` accumulator; register <->
 SMEM stores and loads, ``commit_smem``, TMA ``copy_smem_to_gmem`` and
 ``wait_smem_to_gmem``; ``lax.fori_loop`` with bounds read at run time; ``pl.when``; the
-race detector (``detect_races=True``) over all of it. It simulates wgmma synchronously
+race detector (``detect_races=True``; on 0.11.2 raised through
+``mosaic_compat.raise_on_races``) over all of it. It simulates wgmma synchronously
 (``wgmma_wait`` is a no-op there) and does not run ``pl.run_state`` or the
 warp-specialised pipeline emitters' effects, which this kernel does not use.
 """
@@ -53,10 +54,12 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import NEG, combine_items
+from pallas_kernels.mosaic_compat import raise_on_races
 from pallas_kernels.names import mosaic_jax_reason
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
+DECODE_KERNEL_NAME = "paged_decode_attention_mosaic"
 # Rows of the q tile: one warpgroup's wgmma M.
 Q_TILE_ROWS = 64
 # SMEM a program may allocate: an H200's per-block opt-in limit (232,448 B) less headroom
@@ -417,6 +420,7 @@ def mosaic_decode_call(
     group are padding the caller drops.
     """
     plgpu = plgpu_module()
+    params = interpret_params(interpret)
     num_items = items.shape[0]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     dtype = q_tiles.dtype
@@ -459,10 +463,11 @@ def mosaic_decode_call(
         grid=(num_items, num_kv_heads, num_splits),
         grid_names=("item", "kv_head", "split"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params(interpret),
-        kernel_name="paged_decode_attention_mosaic",
+        interpret=params,
+        kernel_name=DECODE_KERNEL_NAME,
     )
-    return call(items, seq_lens, block_tables, kv_scales, q_tiles, k_cache, v_cache)
+    out = call(items, seq_lens, block_tables, kv_scales, q_tiles, k_cache, v_cache)
+    return raise_on_races(out, params, DECODE_KERNEL_NAME)
 
 
 @functools.partial(

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import combine_rows, default_num_splits
+from pallas_kernels.mosaic_compat import raise_on_races
 from pallas_kernels.mosaic_decode import (
     Q_TILE_ROWS,
     attend_pages,
@@ -52,6 +53,8 @@ from pallas_kernels.mosaic_decode import (
 )
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
+
+RAGGED_KERNEL_NAME = "ragged_paged_attention_mosaic"
 
 
 def _kernel(
@@ -176,6 +179,7 @@ def mosaic_ragged_call(
 ):  # -> (f32[num_splits, num_items, kv, subtiles * 64, d], f32[num_splits, num_items, kv, subtiles * 64])
     """The ``plgpu.kernel`` call: grid, SMEM scratch (q tile, K/V ring, P, output), barriers."""
     plgpu = plgpu_module()
+    params = interpret_params(interpret)
     num_items = items.shape[0]
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     dtype = q_tiles.dtype
@@ -220,11 +224,13 @@ def mosaic_ragged_call(
         grid=(num_items, num_kv_heads, num_subtiles * num_splits),
         grid_names=("item", "kv_head", "part"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret_params(interpret),
-        kernel_name="ragged_paged_attention_mosaic",
+        interpret=params,
+        kernel_name=RAGGED_KERNEL_NAME,
     )
-    o, lse = call(
-        items, query_start_loc, seq_lens, block_tables, kv_scales, q_tiles, k_cache, v_cache
+    o, lse = raise_on_races(
+        call(items, query_start_loc, seq_lens, block_tables, kv_scales, q_tiles, k_cache, v_cache),
+        params,
+        RAGGED_KERNEL_NAME,
     )
     shape = (num_splits, num_items, num_kv_heads, num_subtiles * rows)
     return o.reshape(shape + (head_dim,)), lse.reshape(shape)

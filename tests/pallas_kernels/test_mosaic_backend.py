@@ -1,10 +1,12 @@
 """The Mosaic GPU backend names through the seam: where they run, why not, and one engine step.
 
-The refusals run on every jax (older jax must say why); the kernel runs need jax >= 0.12
+The refusals run on every jax (older jax must say why); the kernel runs need jax >= 0.11.2
 (GPU interpret mode) and skip elsewhere with the reason.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -35,16 +37,46 @@ def test_mosaic_gpu_off_a_gpu_is_a_one_line_error():
         with pytest.raises(ValueError, match="attention_backend='mosaic_gpu': the Mosaic") as e:
             pk.get_attention_ops("mosaic_gpu")
         assert "\n" not in str(e.value)
+        if OLD_JAX is None:  # the refusal names the way to compile for a GPU from here
+            assert "target=" in str(e.value)
 
 
 @pytest.mark.skipif(OLD_JAX is None, reason="this jax runs the Mosaic kernels")
 def test_mosaic_on_older_jax_says_which_jax_it_needs():
     for name in ("mosaic_gpu", "mosaic_gpu_interpret"):
-        with pytest.raises(ValueError, match=r"need jax >= 0\.12\.0, found jax") as e:
+        with pytest.raises(ValueError, match=r"need jax >= 0\.11\.2, found jax") as e:
             pk.get_attention_ops(name)
         assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"need jax >= 0\.12\.0"):
+    with pytest.raises(ValueError, match=r"need jax >= 0\.11\.2"):
         check_backend("mosaic_gpu_interpret", "cpu")
+    # A compile target does not lift the jax requirement.
+    with pytest.raises(ValueError, match=r"need jax >= 0\.11\.2"):
+        pk.get_attention_ops("mosaic_gpu", target=FakeDevice())
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """What the target checks read of a jax Device (a compile-only H200 has these)."""
+
+    platform: str = "gpu"
+    compute_capability: str = "9.0"
+    device_kind: str = "NVIDIA H200"
+
+
+@needs_mosaic
+def test_a_gpu_compile_target_gets_the_mosaic_ops_without_a_gpu_client():
+    # The deviceless compile asks for "mosaic_gpu" naming the GPU it compiles for; a
+    # plain call on this host still gets the refusal (test above).
+    ops = pk.get_attention_ops("mosaic_gpu", target=FakeDevice())
+    assert ops.takes_plan and "mosaic" in ops.paged_attention.__module__
+    assert "mosaic" in ops.ragged_paged_attention.__module__
+    assert mosaic_unavailable("mosaic_gpu", FakeDevice()) is None
+    old = FakeDevice(compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"Hopper or newer.*A100-SXM4-80GB \(8\.0\)") as e:
+        pk.get_attention_ops("mosaic_gpu", target=old)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="need an NVIDIA GPU target, got a cpu device"):
+        pk.get_attention_ops("mosaic_gpu", target=jax.devices("cpu")[0])
 
 
 def test_auto_keeps_the_triton_kernels():

@@ -3,7 +3,7 @@
 GPU interpret mode (test_mosaic_kernels.py) runs the kernels on CPU but accepts programs
 the real lowering rejects; these tests compile them for the device and compare outputs
 at Llama-3-8B heads (32 q / 8 kv, head_dim 128, bf16, block 16). Skipped, with the
-backend's own reason, without jax >= 0.12 and a Hopper or newer GPU.
+backend's own reason, without jax >= 0.11.2 and a Hopper or newer GPU.
 """
 
 from __future__ import annotations

@@ -134,8 +134,12 @@ def test_mosaic_decode_fp8_cache_with_scales(fp8):
 
 def test_race_detector_reports_a_read_before_its_barrier():
     # Control: the detector the tests rely on is live in this jax (a kernel that reads
-    # an SMEM tile before waiting on its TMA barrier must raise).
+    # an SMEM tile before waiting on its TMA barrier must raise). jax 0.12 raises by
+    # itself; jax 0.11.2 only prints, and the kernels' outputs pass through
+    # mosaic_compat.raise_on_races, as here.
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.mosaic_compat import raise_on_races
 
     def body(x_ref, o_ref, smem, bar, out_smem):
         plgpu.copy_gmem_to_smem(x_ref, smem, bar)
@@ -157,8 +161,40 @@ def test_race_detector_reports_a_read_before_its_barrier():
         grid_names=("x",),
         interpret=interpret_params(),
     )
+
+    @jax.jit
+    def checked(x):
+        return raise_on_races((racy(x),), interpret_params(), "racy")[0]
+
     with pytest.raises(Exception, match="RACE|race|CpuCallback"):
-        with_timeout(racy, jnp.ones((64, 64), jnp.float32))
+        with_timeout(checked, jnp.ones((64, 64), jnp.float32))
+    # The same kernel with the wait before the read runs clean through the same check.
+
+    def fixed_body(x_ref, o_ref, smem, bar, out_smem):
+        plgpu.copy_gmem_to_smem(x_ref, smem, bar)
+        plgpu.barrier_wait(bar)
+        out_smem[...] = smem[...] * 2
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    fixed = plgpu.kernel(
+        fixed_body,
+        out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((64, 64), jnp.float32),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.SMEM((64, 64), jnp.float32),
+        ],
+        grid=(1,),
+        grid_names=("x",),
+        interpret=interpret_params(),
+    )
+    out = with_timeout(
+        jax.jit(lambda x: raise_on_races((fixed(x),), interpret_params(), "fixed")[0]),
+        jnp.ones((64, 64), jnp.float32),
+    )
+    np.testing.assert_array_equal(np.asarray(out), 2.0)
 
 
 @pytest.mark.parametrize(
