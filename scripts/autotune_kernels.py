@@ -1,7 +1,8 @@
 """Autotune the attention kernels' tiling on a GPU and write the best configs to the table.
 
-For each shape key (cache dtype bf16 / fp8 e4m3, head_dim 128 (+64, 256 with --head-dims
-all), GQA group 4, 8, 1, block size 16), in that order of importance, it sweeps
+By default it tunes the keys the engine looks up for the device run's model (Llama-3-8B:
+group 4, head_dim 128, block 16) with a bf16 and an fp8 e4m3 cache; ``--groups 4,8,1``
+and ``--head-dims all`` (64, 256) widen the sweep, in that order of importance. Per key:
 
 * decode (``paged_decode_attention``): block_k, then num_stages x num_warps at the best
   block_k (``--search grid``: the whole block_k x num_stages x num_warps product);
@@ -11,24 +12,28 @@ all), GQA group 4, 8, 1, block size 16), in that order of importance, it sweeps
 passing each config explicitly to ``pallas_kernels.paged_attention`` /
 ``ragged_paged_attention``. Every config's output is checked against
 ``pallas_kernels.reference`` (relative L2 error); a config that fails to compile (e.g.
-shared memory exhausted) or mismatches is recorded with the reason and skipped. Timing:
-one jitted loop of n dependent calls (n traced, so one compile serves the check and the
-timing), a warm-up and REPS timed loops; median, min, max and spread are reported. The
-kernel defaults (no knobs) are timed too; the best config is written to the table
+shared memory exhausted) or mismatches is recorded with the reason and skipped. Timing
+(``pallas_kernels.timing``): one jitted loop of a static number of dependent calls whose
+every array (caches, tables, lengths, query starts, fp8 scales, q) is an argument; its
+first call is checked, then REPS timed loops; median, min, max and spread are reported.
+The kernel defaults (no knobs) are timed too; the best config is written to the table
 (``--write``, ``--table``; default ``pallas_kernels/tuned_configs.json``) only when its
 sweep completed and it is no slower than the defaults. The workload behind every key is
 a Llama-3-like step: 64 sequences x 4096 tokens of context, 8 KV heads; decode = one
 token each, ragged = two prefill chunks (256 and 194 tokens) and 62 decode tokens.
 
 The JSON (``--output``) is rewritten after every config and the table after every key;
-``--time-limit`` stops starting configs cleanly. ``--dry-run`` prints the plan and its
-budget without touching a device. ``--interpret`` runs a tiny two-config sweep per kernel
-in Pallas interpret mode on CPU (device kind "cpu-interpret"; its timings are meaningless
-and marked so), which exercises sweep, check, pick and write; it needs ``--table``.
+the JSON also holds the table as written so far ("tuned_configs") and a "metrics"
+summary (keys_tuned, configs_timed). ``--time-limit`` stops starting configs cleanly.
+``--dry-run`` prints the plan and its budget without touching a device. ``--interpret``
+runs a tiny two-config sweep per kernel in Pallas interpret mode on CPU (device kind
+"cpu-interpret"; its timings are meaningless and marked so), which exercises sweep,
+check, pick and write; it needs ``--table``. ``--rehearse`` is ``--interpret`` whose
+``--write`` without ``--table`` goes to a temporary table (folded into the JSON).
 
     python scripts/autotune_kernels.py --write --output gpu_results/autotune.json
     python scripts/autotune_kernels.py --dry-run
-    python scripts/autotune_kernels.py --interpret --write --table /tmp/t.json --output /tmp/a.json
+    python scripts/autotune_kernels.py --rehearse --write --output /tmp/autotune.json
 """
 
 from __future__ import annotations
@@ -48,12 +53,18 @@ CACHE_DTYPES = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
 DTYPE_NAMES = tuple(CACHE_DTYPES.values())
 HEAD_DIMS = {"core": (128,), "all": (128, 64, 256)}
 GROUPS = (4, 8, 1)  # Llama-3 8B/70B, Llama-3 405B-like, multi-head
+# The keys the engine looks up (decode_defaults / ragged_defaults: cache dtype, head_dim,
+# group = q heads per KV head, block_size) for the device run's model, Llama-3-8B (32 q /
+# 8 KV heads, head_dim 128, block 16), with a bf16 and an fp8 e4m3 KV cache: the default
+# sweep. --groups / --head-dims widen it.
+ENGINE_GROUPS = (4,)
 NUM_KV_HEADS, BLOCK_SIZE = 8, 16
 FP8_SCALE = 0.02  # per-tensor scale of the fp8 caches (N(0, 1) data stays far inside e4m3)
 INTERPRET_DEVICE_KIND = "cpu-interpret"
 # The workload every key is timed on (the table's key omits it: one step shape per key).
 BATCH, CONTEXT, PREFILL = 64, 4096, (256, 194)
-INTERPRET_WORK = dict(batch=3, context=40, prefill=(5,), num_kv_heads=2, group=2, head_dim=32)
+# The rehearsal engine's cut of Llama-3-8B (8 q / 2 KV heads, head_dim 32: group 4).
+INTERPRET_WORK = dict(batch=3, context=40, prefill=(5,), num_kv_heads=2, group=4, head_dim=32)
 MAX_REL_ERR = 2e-2  # bf16 q/out: the kernels round probabilities to bf16 (~4e-3 typical)
 LOOP_SECONDS = 0.02  # device time of one timed loop
 REPS = 5  # timed loops per config (after one warm-up)
@@ -252,15 +263,28 @@ class Workload:
         shape = (rows, self.num_kv_heads * group, self.head_dim)
         return jax.random.normal(jax.random.fold_in(self.key, 7 + group), shape, self.q_dtype)
 
-    def attend(self, module, kernel: str, **knobs):
-        """q -> output of `kernel` from `module` (pallas_kernels or its reference)."""
-        scale = self.head_dim**-0.5
+    def operands(self, kernel: str) -> tuple:
+        """The arrays `kernel` reads after q, in ``attend``'s argument order."""
         caches = (self.k_cache, self.v_cache, self.tables, self.seq_lens)
+        if kernel == RAGGED:
+            caches += (self.query_start_loc,)
+        return caches + tuple(self.scales.values())
+
+    def attend(self, module, kernel: str, **knobs):
+        """f(q, *operands) -> output of `kernel` from `module` (pallas_kernels or its
+        reference): every array an argument (``operands``), never captured."""
+        scale = self.head_dim**-0.5
+        fp8 = bool(self.scales)
+
+        def call(fn, q, *arrays):
+            if fp8:
+                *arrays, ks, vs = arrays
+                return fn(q, *arrays, scale=scale, k_scale=ks, v_scale=vs, **knobs)
+            return fn(q, *arrays, scale=scale, **knobs)
+
         if kernel == DECODE:
-            return lambda q: module.paged_attention(q, *caches, scale=scale, **self.scales, **knobs)
-        return lambda q: module.ragged_paged_attention(
-            q, *caches, self.query_start_loc, scale=scale, **self.scales, **knobs
-        )
+            return lambda q, *arrays: call(module.paged_attention, q, *arrays)
+        return lambda q, *arrays: call(module.ragged_paged_attention, q, *arrays)
 
     def traffic(self, kernel: str, group: int) -> roofline.Traffic:
         contexts = [self.context] * self.batch
@@ -277,30 +301,27 @@ class Workload:
         )
 
 
-def measure(attend, q, want, n: int, reps: int) -> dict:
-    """Compiles a loop of n (traced) dependent calls, checks one call against `want`, times it.
-
-    The loop carries (q, out): each call's q is nudged by the previous output so XLA can
-    neither hoist nor merge calls, and a run with n = 1 returns exactly attend(q).
+def measure(fn, q, operands, want, n: int, reps: int) -> dict:
+    """Compiles a loop of n (static) dependent calls of fn(q, *operands)
+    (``pallas_kernels.timing.looped``: every array an argument), checks its first call
+    against `want`, times `reps` loops. A config the compiler rejects is a recorded
+    "compile_error"; a captured array (a bug of this script, not of a config) raises.
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    def body(_, carry):
-        x, _ = carry
-        o = attend(x)
-        return x + (o * 1e-3).astype(x.dtype), o
+    from pallas_kernels import timing
 
-    looped = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, body, (x, jnp.zeros_like(x))))
+    jitted = timing.looped(fn, n)
     start = time.perf_counter()
+    lowered = timing.check_no_captured_arrays(jitted, q, *operands)
     try:
-        compiled = looped.lower(q, 1).compile()
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - a config the compiler rejects is a recorded skip
         return dict(status="compile_error", error=f"{type(e).__name__}: {str(e)[:400]}")
     row = dict(compile_s=round(time.perf_counter() - start, 3))
     try:
-        _, got = jax.block_until_ready(compiled(q, 1))
+        got = jax.block_until_ready(compiled(q, *operands))  # also the warm-up
         got = np.asarray(got, np.float32)
         ref = np.asarray(want, np.float32)
         finite = bool(np.isfinite(got).all())
@@ -308,11 +329,10 @@ def measure(attend, q, want, n: int, reps: int) -> dict:
         row.update(rel_err=rel, max_abs_err=float(np.max(np.abs(got - ref))), finite=finite)
         if not finite or rel > MAX_REL_ERR:
             return dict(row, status="mismatch", error=f"rel_err={rel:.3g} finite={finite}")
-        jax.block_until_ready(compiled(q, n))  # warm-up
         samples = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(q, n))
+            jax.block_until_ready(compiled(q, *operands))
             samples.append((time.perf_counter() - t0) / n * 1e6)
     except Exception as e:  # noqa: BLE001 - keep sweeping the other configs
         return dict(row, status="run_error", error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -337,7 +357,8 @@ def tune_key(key, work, report, args, deadline, device_kind) -> dict:
     from pallas_kernels import reference
 
     q = work.queries(key.kernel, key.group)
-    want = jax.jit(work.attend(reference, key.kernel))(q)
+    operands = work.operands(key.kernel)
+    want = jax.jit(work.attend(reference, key.kernel))(q, *operands)
     traffic = work.traffic(key.kernel, key.group)
     n = loop_count(traffic.total_bytes, args.interpret)
     reps = 2 if args.interpret else REPS
@@ -361,7 +382,8 @@ def tune_key(key, work, report, args, deadline, device_kind) -> dict:
         if time.monotonic() + PLAN_CONFIG_S > deadline:
             report.data["stopped"] = f"--time-limit={args.time_limit:.0f}s reached at {key.label}"
             return None
-        row = measure(work.attend(pk, key.kernel, **knobs, **(config or {})), q, want, n, reps)
+        fn = work.attend(pk, key.kernel, **knobs, **(config or {}))
+        row = measure(fn, q, operands, want, n, reps)
         if "us" in row:
             row["fraction_of_peak"] = traffic.seconds() * 1e6 / row["us"]
         row = dict(config=config, **row)
@@ -460,7 +482,7 @@ def run(args, keys: list[ShapeKey]) -> int:
     report = Report(
         pathlib.Path(args.output),
         dict(
-            command="python scripts/autotune_kernels.py " + " ".join(sys.argv[1:]),
+            command="python scripts/autotune_kernels.py " + " ".join(args.argv),
             device_kind=device_kind,
             jax_version=jax.__version__,
             interpret=args.interpret,
@@ -468,7 +490,8 @@ def run(args, keys: list[ShapeKey]) -> int:
             search="interpret" if args.interpret else args.search,
             workload=dict(work_desc, q_dtype="bfloat16"),
             timing=dict(
-                method="jitted fori_loop of n dependent calls (n traced), us per call",
+                method="pallas_kernels.timing.looped: n dependent calls (n static), every "
+                "array an argument; us per call",
                 loop_seconds=LOOP_SECONDS,
                 reps=2 if args.interpret else REPS,
                 statistic="median; min, max, spread = (max - min) / median",
@@ -476,6 +499,8 @@ def run(args, keys: list[ShapeKey]) -> int:
             check=f"relative L2 error vs pallas_kernels.reference <= {MAX_REL_ERR}, all finite",
             peak_bytes_per_s=roofline.H200_BYTES_PER_S,
             table=str(args.table) if args.write else None,
+            tuned_configs=None,
+            metrics=dict(keys_tuned=0, configs_timed=0),
         ),
     )
     works: dict[tuple[str, int], Workload] = {}
@@ -494,7 +519,7 @@ def run(args, keys: list[ShapeKey]) -> int:
             )
             print(f"  {key.label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         report.data["wall_s"] = round(time.monotonic() - start, 1)
-        report.flush()
+        fold_in(report, args)
     written = sum(bool(r.get("written")) for r in report.data["keys"])
     print(
         f"autotune: {len(report.data['keys'])}/{len(keys)} keys in {time.monotonic() - start:.0f} s, "
@@ -503,6 +528,19 @@ def run(args, keys: list[ShapeKey]) -> int:
     )
     errors = [r for r in report.data["keys"] if "error" in r]
     return 1 if errors else 0
+
+
+def fold_in(report: Report, args) -> None:
+    """The metrics, and the tuned table as written so far (under "tuned_configs"), into
+    the report, then rewrites it: the one file a device run returns holds both."""
+    keys = [r for r in report.data["keys"] if "configs" in r]
+    report.data["metrics"] = dict(
+        keys_tuned=sum(bool(r["complete"] and r["best"]) for r in keys),
+        configs_timed=sum(c.get("status") == "ok" for r in keys for c in r["configs"]),
+    )
+    if args.write and pathlib.Path(args.table).exists():
+        report.data["tuned_configs"] = json.loads(pathlib.Path(args.table).read_text())
+    report.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -515,12 +553,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--search", choices=("greedy", "grid"), default="greedy")
     p.add_argument("--head-dims", choices=sorted(HEAD_DIMS), default="core")
-    p.add_argument("--groups", default=",".join(map(str, GROUPS)), help="comma-separated")
+    p.add_argument(
+        "--groups",
+        default=",".join(map(str, ENGINE_GROUPS)),
+        help=f"comma-separated (default: the engine's; all: {','.join(map(str, GROUPS))})",
+    )
     p.add_argument("--dtypes", default=",".join(CACHE_DTYPES), help=f"of {sorted(CACHE_DTYPES)}")
     p.add_argument("--kernels", default="decode,ragged", help="decode, ragged or both")
     p.add_argument("--dry-run", action="store_true", help="print the plan; touch no device")
     p.add_argument("--interpret", action="store_true", help="tiny CPU sweep in interpret mode")
+    p.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="--interpret; with --write and no --table, the table goes to a temporary file "
+        "(folded into --output like a device run's)",
+    )
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.rehearse:
+        args.interpret = True
+        if args.write and args.table is None:
+            import tempfile
+
+            args.table = pathlib.Path(tempfile.mkdtemp(prefix="autotune_")) / "tuned_configs.json"
     try:
         dtypes = tuple(CACHE_DTYPES[d] for d in args.dtypes.split(","))
         groups = tuple(int(g) for g in args.groups.split(","))
