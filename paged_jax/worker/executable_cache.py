@@ -124,32 +124,48 @@ def _host_cpu() -> str:
 _UNCACHEABLE_REPORTED: set[str] = set()
 
 
+def _defining_file(klass: type) -> str | None:
+    """The source file that defines ``klass``, or None when no file does.
+
+    inspect names the file of the class's module, which for code run by ``exec`` in a
+    module that has a file is that module's file, not the class's code. So the class
+    must also be found in it (``getsource``: OSError when not) and every function of its
+    body must have been compiled from it (exec'd code is compiled from "<string>").
+    """
+    try:
+        inspect.getsource(klass)
+        path = inspect.getsourcefile(klass)
+    except (OSError, TypeError):  # python -c, a REPL, exec, a compiled extension
+        return None
+    if path is None:
+        return None
+    for attr in vars(klass).values():
+        fn = attr.fget if isinstance(attr, property) else getattr(attr, "__func__", attr)
+        code = getattr(fn, "__code__", None)
+        if code is not None and os.path.realpath(code.co_filename) != os.path.realpath(path):
+            return None
+    return path
+
+
 def class_source_hashes(cls: type) -> dict[str, str] | None:
     """sha256 of the source file of every class in ``cls``'s MRO outside this package.
 
     This package's own classes are covered by ``source_hash()``, flax's by its version and
     builtins have no source; every other class (the model's, its user-written bases) must
-    come from a readable source file that defines it.
+    come from a readable source file that defines it (``_defining_file``).
 
     Returns:
-        ``{"module.qualname": file digest}``, or None when some class has no source file:
-        one defined under ``python -c``, in a plain REPL or notebook, or by ``exec``
-        (``inspect`` then raises OSError or TypeError, or finds no such class in the file
-        of the module it was exec'd into). Its code is then in no file the
-        key could hash, so no key can tell it from another class of the same name.
+        ``{"module.qualname": file digest}``, or None when some class has no such file:
+        one defined under ``python -c``, in a plain REPL or notebook, or by ``exec``. Its
+        code is then in no file a key could hash, so no key can tell it from another
+        class of the same name.
     """
     hashes: dict[str, str] = {}
     for klass in cls.__mro__:
         module = klass.__module__
         if module.split(".")[0] in (*SOURCE_PACKAGES, *KEYED_BY_VERSION):
             continue
-        try:
-            # getsource proves the class is defined in that file (exec'd code run in a
-            # module that has a file gets the module's file, not the class's code).
-            inspect.getsource(klass)
-            digest = _file_hash(inspect.getsourcefile(klass))
-        except (OSError, TypeError):
-            digest = None
+        digest = _file_hash(_defining_file(klass))
         if digest is None:
             return None
         hashes[f"{module}.{klass.__qualname__}"] = digest
@@ -183,8 +199,8 @@ def model_identity(model: Any) -> dict[str, Any]:
     if sources is None and name not in _UNCACHEABLE_REPORTED:
         _UNCACHEABLE_REPORTED.add(name)
         logger.warning(
-            "executable cache: model class %s (or a base class) has no source file (defined "
-            "under python -c, in a REPL or by exec), so no key can tell its code from "
+            "executable cache: model class %s (or a base class) has no source file that "
+            "defines it (python -c, a REPL, exec'd code), so no key can tell its code from "
             "another class's: its step programs are compiled in memory and never written "
             "to or loaded from disk (JAX's own compilation cache, keyed by the program, "
             "still applies)",
