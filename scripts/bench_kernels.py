@@ -65,7 +65,7 @@ START = time.monotonic()
 
 BLOCK_SIZE = 16
 IMPLS = ("pallas", "mosaic", "jax_pallas", "xla_gather")
-RUN_ORDER = ("xla_gather", "pallas", "mosaic", "jax_pallas")  # the reference first
+RUN_ORDER = ("xla_gather", "pallas", "jax_pallas", "mosaic")  # the reference first
 OURS = ("pallas", "mosaic")
 H200_PEAK_GBPS = roofline.H200_BYTES_PER_S / 1e9
 PEAK_GBPS = {
@@ -267,24 +267,32 @@ def decode_operands(impl: str, caches, head_major, tables, lens) -> tuple:
     return (k, v, tables, lens)
 
 
-def make_pool(heads: Heads, num_blocks: int, seed: int = 0):  # -> (k_cache, v_cache)
-    """K and V caches of `num_blocks` blocks: N(0, 1) values drawn for up to POOL_BASE_BLOCKS
-    blocks and repeated over the pool (a random fill of a multi-GiB pool on a CPU takes
-    longer than the whole rehearsal cell). One jitted call per cache; nothing captured."""
+def make_pool(heads: Heads, num_blocks: int, seed: int = 0) -> dict:
+    """K and V caches of `num_blocks` blocks, block-major ("caches") and head-major
+    ("head_major", JAX's kernel's layout): N(0, 1) values drawn on the host (numpy) for up
+    to POOL_BASE_BLOCKS blocks and repeated over the pool on the device by one jitted tile
+    (a random fill of a multi-GiB pool, or a threefry compile, on a loaded 2-core CPU takes
+    longer than the rehearsal cell). Nothing is captured: the base is an argument."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     import pallas_kernels as pk
 
     shape = pk.kv_cache_shape(num_blocks, heads.block_size, heads.num_kv_heads, heads.head_dim)
-    base = min(num_blocks, POOL_BASE_BLOCKS)
+    nbase = min(num_blocks, POOL_BASE_BLOCKS)
+    rng = np.random.default_rng(seed)
+    base = jnp.asarray(rng.standard_normal((2, nbase, *shape[1:]), np.float32), heads.dtype)
+    reps = -(-num_blocks // nbase)
 
     @jax.jit
-    def fill(key):
-        x = jax.random.normal(key, (2, base, *shape[1:]), jnp.float32).astype(heads.dtype)
-        return tuple(jnp.tile(c, (-(-num_blocks // base), 1, 1, 1))[:num_blocks] for c in x)
+    def tile(base):  # [2, nbase, kv, bs, d] -> the four caches
+        pool = jnp.tile(base, (1, reps, 1, 1, 1))[:, :num_blocks]
+        head_major = jnp.tile(base.transpose(0, 2, 1, 3, 4), (1, 1, reps, 1, 1))
+        return pool[0], pool[1], head_major[0, :, :num_blocks], head_major[1, :, :num_blocks]
 
-    return fill(jax.random.PRNGKey(seed))
+    k, v, kh, vh = tile(base)
+    return dict(caches=(k, v), head_major=(kh, vh))
 
 
 def make_tables(rng, contexts: list[int], num_blocks: int, block_size: int = BLOCK_SIZE):
@@ -435,10 +443,10 @@ def run_decode(args) -> int:
         num_blocks, shared = group.pool_blocks()
         if time.monotonic() > deadline:
             break
-        caches = make_pool(heads, num_blocks)
+        pool = make_pool(heads, num_blocks)
         print(f"pool {time.monotonic() - START:.1f} s", flush=True)
         # JAX's kernel wants head-major pages [kv, blocks, bs, d].
-        head_major = tuple(c.transpose(1, 0, 2, 3) for c in caches) if theirs else caches
+        caches, head_major = pool["caches"], pool["head_major"]
         report.data["pools"].append(
             dict(
                 heads=asdict(heads),
@@ -455,7 +463,7 @@ def run_decode(args) -> int:
         for batch, context in group.cells:
             failed |= decode_cell(report, group, caches, head_major, fns, batch, context, rng,
                                   peak, ceiling, deadline, args, theirs_missing, mosaic_missing)  # fmt: skip
-        del caches, head_major
+        del caches, head_major, pool
     report.data["metrics"] = decode_metrics(report.data)
     report.flush()
     print(f"metrics {json.dumps(report.data['metrics'])}")
@@ -468,14 +476,13 @@ def run_decode(args) -> int:
 def decode_cell(report, group, caches, head_major, fns, batch, context, rng, peak, ceiling,
                 deadline, args, theirs_missing, mosaic_missing) -> bool:  # fmt: skip
     """Times every implementation on one (batch, context) cell; True on a failure."""
-    import jax
     import jax.numpy as jnp
+    import numpy as np
 
     heads = group.heads
     tables, lens = make_tables(rng, [context] * batch, caches[0].shape[0], heads.block_size)
-    key = jax.random.fold_in(jax.random.PRNGKey(1), batch * context)
-    q = jax.random.normal(key, (batch, heads.num_q_heads, heads.head_dim), jnp.float32)
-    q = q.astype(heads.dtype)
+    q = rng.standard_normal((batch, heads.num_q_heads, heads.head_dim), np.float32)
+    q = jnp.asarray(q, heads.dtype)
     floor = roofline.decode_traffic([context] * batch, **heads.roofline_kw())
     model = roofline.predicted_decode_fraction([context] * batch, **heads.roofline_kw())
     row = dict(
@@ -592,11 +599,11 @@ def run_mixed(args) -> int:
     if rehearse:
         report.data["note"] = "CPU rehearsal: interpret-mode times, not kernel times"
     rng = np.random.default_rng(0)
-    caches = make_pool(heads, num_blocks)
+    caches = make_pool(heads, num_blocks)["caches"]
     tables, lens = make_tables(rng, [context] * batch, num_blocks, heads.block_size)
     qsl = jnp.arange(batch + 1, dtype=jnp.int32)
-    q = jax.random.normal(jax.random.PRNGKey(7), (batch, heads.num_q_heads, heads.head_dim))
-    q = q.astype(heads.dtype)
+    q = rng.standard_normal((batch, heads.num_q_heads, heads.head_dim), np.float32)
+    q = jnp.asarray(q, heads.dtype)
     fns = mixed_fns(heads, pk.get_attention_ops(backend))
     row = dict(cell="decode rows of a step", batch=batch, context=context, impls={})
     report.add(row)

@@ -59,6 +59,9 @@ def test_dry_run_plans_the_most_used_keys_first_and_marks_the_cut():
     # Exactly the keys planned past the time limit are marked as cut.
     assert [bool(k[3].strip()) for k in keys] == [c > 100 for c in cumulative]
     assert re.search(r"autotune budget: ~\d+ s", out.stdout)
+    # By default: the keys the engine looks up for Llama-3-8B (group 4, head_dim 128).
+    default = autotune("--dry-run", timeout=60)
+    assert re.findall(r"key (\S+)", default.stdout) == labels[:4]
 
 
 def test_search_spaces():
@@ -80,19 +83,26 @@ def test_search_spaces():
 def test_a_config_that_disagrees_with_the_reference_is_rejected():
     at = load_script()
     q = jnp.ones((4, 2, 16), jnp.bfloat16)
-    row = at.measure(lambda x: x * 2, q, np.ones((4, 2, 16)), n=1, reps=1)
+    two = jnp.full((4, 2, 16), 2, jnp.bfloat16)
+    row = at.measure(lambda x, w: x * w, q, (two,), np.ones((4, 2, 16)), n=1, reps=1)
     assert row["status"] == "mismatch" and row["rel_err"] > at.MAX_REL_ERR
-    ok = at.measure(lambda x: x * 2, q, 2 * np.ones((4, 2, 16)), n=3, reps=2)
+    ok = at.measure(lambda x, w: x * w, q, (two,), 2 * np.ones((4, 2, 16)), n=3, reps=2)
     assert ok["status"] == "ok" and ok["rel_err"] == 0 and len(ok["samples_us"]) == 2
 
 
-def test_interpret_sweep_writes_a_table_the_lookup_returns(tmp_path):
-    table, output = tmp_path / "tuned.json", tmp_path / "autotune.json"
-    out = autotune("--interpret", "--write", "--table", str(table), "--output", str(output))
+def test_rehearsal_sweep_writes_a_table_the_lookup_returns_and_folds_it_in(tmp_path):
+    output = tmp_path / "autotune.json"
+    out = autotune("--rehearse", "--write", "--output", str(output))
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(output.read_text())
     assert report["interpret"] and not report["timings_meaningful"]
     assert len(report["keys"]) == 2 and report["stopped"] is None
+    # --rehearse --write without --table: a temporary table, never the packaged one.
+    table = pathlib.Path(report["table"])
+    assert table != tuning.TABLE_PATH and table.exists()
+    assert report["tuned_configs"] == json.loads(table.read_text())
+    assert len(report["tuned_configs"]["entries"]) == 2
+    assert report["metrics"] == dict(keys_tuned=2, configs_timed=4)
     for rec in report["keys"]:
         assert rec["complete"] and rec["written"], rec
         assert [c["status"] for c in rec["configs"]] == ["ok", "ok"], rec["configs"]
@@ -120,7 +130,7 @@ def test_interpret_sweep_writes_a_table_the_lookup_returns(tmp_path):
             device_kind=tuning.current_device_kind(),
             dtype="bfloat16",
             head_dim=32,
-            group=2,
+            group=4,
             block_size=16,
             path=table,
         )
@@ -137,6 +147,7 @@ def test_time_limit_stops_cleanly_and_writes_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     report = json.loads(output.read_text())
     assert report["stopped"].startswith("--time-limit=0s reached")
+    assert report["metrics"] == dict(keys_tuned=0, configs_timed=0)
     assert not table.exists()
 
 
