@@ -1,6 +1,7 @@
 """Flax NNX decoder models with Hugging Face checkpoint loading (import as paged_jax.models).
 
 model = load_model("path/to/hf_dir", dtype="bfloat16")
+model = random_model(LLAMA3_8B_CONFIG, dtype="bfloat16")      # random weights, drawn on device
 logits = model(input_ids)                                  # dense, f32[B, L, V]
 kv_caches = model.init_kv_caches(num_blocks, block_size)
 logits, kv_caches = model.forward_paged(token_ids, positions, kv_caches, attn_metadata)
@@ -24,9 +25,11 @@ from paged_jax.models.qwen2 import Qwen2ForCausalLM
 from paged_jax.models.qwen2_moe import Qwen2MoeForCausalLM
 from paged_jax.models.qwen3 import Qwen3ForCausalLM
 from paged_jax.models.qwen3_moe import Qwen3MoeForCausalLM
+from paged_jax.models.random_init import LLAMA3_8B_CONFIG, random_model
 from paged_jax.models.registry import MODEL_CLASSES, model_class_for, supported_architectures
 
 __all__ = [
+    "LLAMA3_8B_CONFIG",
     "MODEL_CLASSES",
     "AttentionMetadata",
     "CausalLM",
@@ -50,6 +53,7 @@ __all__ = [
     "load_model",
     "load_model_from_orbax",
     "model_class_for",
+    "random_model",
     "save_params",
     "supported_architectures",
 ]

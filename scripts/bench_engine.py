@@ -4,6 +4,8 @@
     python scripts/bench_engine.py --model-preset 80m       # the 80M-parameter Llama
     python scripts/bench_engine.py --comparisons same-budget --systems paged,contiguous-max
     python scripts/bench_engine.py --dry-run                # print the plan, run nothing
+    python scripts/bench_engine.py --device-run --time-limit 60 --output bench_engine.json
+    python scripts/bench_engine.py --device-run --rehearse  # the same on CPU, cut shape
 
 One trace, two comparisons, timed in the same interleaved rounds:
 
@@ -20,6 +22,13 @@ worker once, the start rotated round by round, so machine noise hits them alike;
 are taken within a round. Greedy outputs of every run (sweeps included) must equal the
 paged engine's: any mismatch exits non-zero after writing the JSON. See
 docs/engine_benchmark.md.
+
+--device-run is the GPU device run's engine cell instead (paged_jax.baselines.engine_cell):
+one in-process engine on a Llama-3-8B-shaped bf16 model with random weights drawn on the
+device, a point per batch size, the JSON rewritten after every point with a top-level
+"metrics" dict (points, tok_s, compiles_after_warmup); --rehearse runs the same on CPU at a
+cut shape. It exits non-zero when no point ran, a point lost tokens or a step compiled
+after warm-up.
 """
 
 from __future__ import annotations
@@ -140,7 +149,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "split over N devices (forced CPU devices on a CPU host: memory and agreement, "
         "not speed)",
     )
+    d = p.add_argument_group(
+        "device run (one in-process engine; the comparison options above are ignored)"
+    )
+    d.add_argument(
+        "--device-run",
+        action="store_true",
+        help="the device run's engine cell: a Llama-3-8B-shaped bf16 model, random weights "
+        "drawn on the device, a point per batch size, the JSON rewritten after each",
+    )
+    d.add_argument(
+        "--rehearse", action="store_true", help="with --device-run: CPU-sized shape (2 layers)"
+    )
+    d.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="with --device-run: seconds from the start after which no point starts (a "
+        "point starts only if the time used plus the last point's duration fits)",
+    )
+    d.add_argument("--batches", default=None, help="requests per point, run in this order")
+    d.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt")
+    d.add_argument("--output-len", type=int, default=None, help="tokens generated per request")
     args = p.parse_args(argv)
+    if not args.device_run:
+        for flag in ("rehearse", "time_limit", "batches", "prompt_len", "output_len"):
+            if getattr(args, flag) not in (None, False):
+                p.error(f"--{flag.replace('_', '-')} needs --device-run")
+    if args.time_limit is not None and not args.time_limit > 0:
+        p.error(f"--time-limit={args.time_limit} must be > 0 seconds")
+    if args.batches is not None:
+        try:
+            batches = tuple(int(b) for b in args.batches.split(",") if b.strip())
+        except ValueError:
+            batches = ()
+        if not batches or min(batches) < 1:
+            p.error(f"--batches={args.batches!r} must be a comma list of ints >= 1")
+        args.batches = batches
     sizes = _int_list(p, "--tensor-parallel-size", args.tensor_parallel_size)
     args.tensor_parallel_sizes = [n for n in sizes if n > 1]
     args.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
@@ -801,10 +846,41 @@ def build_model(args: argparse.Namespace, tmp: pathlib.Path) -> pathlib.Path:
     return model_dir
 
 
+def device_run(args: argparse.Namespace, argv: list[str], start: float) -> int:
+    """The device run's engine cell (paged_jax.baselines.engine_cell); 0 when it is ok."""
+    from paged_jax.baselines import engine_cell
+
+    plan = engine_cell.REHEARSAL_PLAN if args.rehearse else engine_cell.DEVICE_PLAN
+    overrides = {"batches": args.batches, "prompt_len": args.prompt_len}
+    overrides["output_len"] = args.output_len
+    try:
+        plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as err:
+        print(f"bench_engine.py: error: {err}", file=sys.stderr)
+        return 2
+    header = {
+        "command": " ".join(["python", "scripts/bench_engine.py", *argv]),
+        "mode": "rehearsal (CPU, cut shape)" if args.rehearse else "device run",
+        "machine": _device_info(),
+        "source": _source(),
+    }
+    report = engine_cell.run_cell(
+        plan, args.output, time_limit=args.time_limit, header=header, start=start
+    )
+    print(json.dumps(report["metrics"]))
+    print(f"wrote {args.output} ({report['elapsed_s']:.0f} s)")
+    problems = engine_cell.cell_ok(report)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Builds (or loads) the model, sweeps and times every system, writes the JSON."""
-    args = parse_args(argv)
     t0 = time.perf_counter()
+    args = parse_args(argv)
+    if args.device_run:
+        return device_run(args, sys.argv[1:] if argv is None else argv, t0)
     if args.model:
         model_config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
     else:

@@ -74,7 +74,10 @@ class PagedSystem:
     """The paged engine, built and warmed up once, serving the trace once per run().
 
     The pool is sized to budget_bytes (null block included). Between runs the prefix
-    cache is reset, so no run reuses blocks an earlier run computed.
+    cache is reset, so no run reuses blocks an earlier run computed. owns_model hands
+    the model to the engine (Engine's owns_model: its per-layer weights are freed once
+    stacked for the layer scan, so a large model is not held twice); scan_layers is
+    EngineConfig's.
     """
 
     def __init__(
@@ -91,6 +94,8 @@ class PagedSystem:
         tensor_parallel_size: int = 1,
         num_kv_blocks: int | None = None,
         kv_cache_dtype: str = "auto",
+        owns_model: bool = False,
+        scan_layers: str = "auto",
     ):
         from paged_jax.config import EngineConfig
         from paged_jax.engine import Engine
@@ -119,8 +124,9 @@ class PagedSystem:
             attention_backend="auto",
             dtype=str(model.config.dtype),
             async_scheduling=async_scheduling,
+            scan_layers=scan_layers,
         )
-        self.engine = Engine(model, self.config)
+        self.engine = Engine(model, self.config, owns_model=owns_model)
         t0 = time.perf_counter()
         self.num_warmup_shapes = self.engine.warmup()
         self.warmup_s = time.perf_counter() - t0
