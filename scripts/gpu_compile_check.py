@@ -14,14 +14,19 @@ KNOWN_EXPECTED_FAILURES (tiles a GPU rejects too), which fail if they ever pass.
 Each row also says how the kernel's tiles reach shared memory (cp.async copies, the
 deepest wait_group, K/V buffers in flight in its main loop: `ptx_buffering`).
 
-Mosaic GPU cases (names "mosaic-...": pallas_kernels.mosaic_decode / mosaic_ragged)
-compile to a ``mosaic_gpu_v2`` custom call whose cubin is built only when the executable
-is loaded on a device, so deviceless there is no PTX or cubin to read. Their rows check
-what can be checked: lowering and XLA's compile succeed, the custom call is in the
-optimized HLO, the grid (as the kernel passes it to ``plgpu.kernel``), and the kernel's
-own shared-memory estimate (``mosaic_decode.smem_bytes`` of its default tiling) against
-the limit; registers and spills read "deferred to load time" (``deferred``), which is not
-a failure.
+Mosaic GPU cases (names "mosaic-...": pallas_kernels.mosaic_decode / mosaic_ragged,
+obtained through ``get_attention_ops("mosaic_gpu", target=<the compile-only H200>)``)
+compile to a ``mosaic_gpu_v2`` custom call. With jax 0.11.2 + jax-cuda13-plugin the
+custom call runs Mosaic's whole pipeline during XLA's compile, deviceless too: MLIR ->
+PTX -> ptxas -> cubin (Mosaic runs ptxas itself; its -v report, asked for with
+MOSAIC_GPU_DUMP_PTXAS=1, gives registers and spills: ``mosaic_compile_report``), and
+Mosaic's own SMEM scratch size (MOSAIC_GPU_DUMP_RESOURCES=1) is the row's smem_bytes.
+Where no report comes back (a jax whose custom call builds the cubin only when the
+executable is loaded on a device, as jax 0.12 + CUDA 12.9 did), registers and spills
+read "deferred to load time" (``deferred``, not a failure) and smem_bytes is the
+kernel's own estimate (``mosaic_decode.smem_bytes``). Rows also check that the custom
+call is in the optimized HLO and give the grid as the kernel passes it to
+``plgpu.kernel``.
 
 Mixture-of-experts steps ("step-mixtral-tiny-...", "step-qwen3moe-...": a tiny Mixtral and
 two layers at Qwen3-30B-A3B's shape; each grouped matmul of paged_jax.models.moe, and
@@ -41,10 +46,12 @@ installs them) and JAX_PLATFORMS=cpu, so no CUDA client is ever created.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import importlib.util
+import io
 import json
 import os
 import pathlib
@@ -114,8 +121,8 @@ MOSAIC_KERNEL_NAMES = {
 }
 MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 MOSAIC_DEFERRED = (
-    "registers, spills: deferred to load time (no cubin deviceless); smem_bytes: the "
-    "kernel's own estimate (mosaic_decode.smem_bytes)"
+    "registers, spills: deferred to load time (Mosaic's compile gave no ptxas report "
+    "deviceless); smem_bytes: the kernel's own estimate (mosaic_decode.smem_bytes)"
 )
 NUM_KV_HEADS = 8
 POOL_BYTES = 100 * 2**30  # at most this much K + V per kernel case (an H200 holds 141 GB)
@@ -932,11 +939,9 @@ def kernel_fn_and_args(case: Case, t: Target):
     if case.block_k:
         kw["block_k"] = case.block_k
     decode_fn, ragged_fn = pk.paged_attention, pk.ragged_paged_attention
-    if case.backend == "mosaic":
-        from pallas_kernels.mosaic_decode import paged_attention_mosaic
-        from pallas_kernels.mosaic_ragged import ragged_paged_attention_mosaic
-
-        decode_fn, ragged_fn = paged_attention_mosaic, ragged_paged_attention_mosaic
+    if case.backend == "mosaic":  # the ops for the GPU target, with no GPU client here
+        ops = pk.get_attention_ops("mosaic_gpu", target=t.device)
+        decode_fn, ragged_fn = ops.paged_attention, ops.ragged_paged_attention
     if case.kernel == "decode":
         q = t.spec((case.batch, kv * case.group, d), case.q_dtype)
         args = (q, cache, cache, t.spec((case.batch, pages)), t.spec((case.batch,)))
@@ -1141,11 +1146,52 @@ def mosaic_smem_bytes(case: Case) -> int:
     return smem_bytes(case.q_dtype, case.dtype, case.head_dim, block_k, tiling["num_stages"])
 
 
+_MOSAIC_SMEM = re.compile(r"smem_scratch_bytes=(\d+)")
+
+
+@contextlib.contextmanager
+def mosaic_compile_report():
+    """Captures what Mosaic GPU reports while kernels lower and compile inside the block:
+    yields a dict that gets "text" (the captured output) when the block exits.
+
+    MOSAIC_GPU_DUMP_PTXAS=1 makes the custom call print ptxas's -v report (registers,
+    spills) of each kernel it assembles to the process's stdout (fd 1, redirected here to
+    a file), MOSAIC_GPU_DUMP_RESOURCES=1 the Python lowering its
+    ``Resources(smem_scratch_bytes=...)`` to sys.stdout (redirected too).
+    MOSAIC_GPU_DUMP_TO is unset meanwhile (it would send these, and every other dump, to
+    files)."""
+    keys = ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_RESOURCES", "MOSAIC_GPU_DUMP_TO")
+    saved_env = {k: os.environ.get(k) for k in keys}
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_RESOURCES="1")
+    os.environ.pop("MOSAIC_GPU_DUMP_TO", None)
+    report: dict = {}
+    python_out = io.StringIO()  # Python's prints, wherever sys.stdout points (pytest's)
+    with tempfile.TemporaryFile() as out:
+        sys.stdout.flush()
+        saved_fd = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            with contextlib.redirect_stdout(python_out):
+                yield report
+        finally:
+            os.dup2(saved_fd, 1)
+            os.close(saved_fd)
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            out.seek(0)
+            report["text"] = out.read().decode(errors="replace") + python_out.getvalue()
+
+
 def compile_mosaic_case(case: Case, t: Target) -> list[dict]:
     """The row of a Mosaic case: lowering + XLA compile, the ``mosaic_gpu_v2`` custom call
-    in the optimized HLO, the grid and warps given to ``plgpu.kernel`` and the kernel's
-    SMEM estimate. The cubin is built at load time on a device, so registers and spills
-    are None and ``deferred`` says why."""
+    in the optimized HLO, the grid and warps given to ``plgpu.kernel``, registers and
+    spills from the ptxas report of Mosaic's own compile and Mosaic's SMEM scratch size
+    (``mosaic_compile_report``). Where the compile gives no ptxas report (the cubin built
+    only at load time on a device), registers and spills are None, smem_bytes is the
+    kernel's estimate and ``deferred`` says why."""
     from unittest import mock
 
     import jax
@@ -1170,7 +1216,7 @@ def compile_mosaic_case(case: Case, t: Target) -> list[dict]:
         row["status"] = f"rejected: {e}"
         row["verdict"] = verdict(row)
         return [row]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mosaic_compile_report() as report:
         dump = pathlib.Path(tmp)
         try:
             with mock.patch.object(plgpu, "kernel", recording_kernel), jax.default_device(t.device):
@@ -1197,6 +1243,12 @@ def compile_mosaic_case(case: Case, t: Target) -> list[dict]:
         roofline_us=round(tr.seconds() * 1e6, 3),
         deferred=MOSAIC_DEFERRED,
     )
+    regs, spills = parse_assembler_log(report["text"])
+    if regs is not None:  # Mosaic assembled the kernel during the compile
+        row.update(regs_ptxas=regs, spill_bytes_ptxas=spills, deferred=None)
+        smem = _MOSAIC_SMEM.findall(report["text"])
+        if smem:  # Mosaic's own allocation, beside the kernel's estimate
+            row.update(smem_bytes=max(map(int, smem)), smem_bytes_estimate=row["smem_bytes"])
     row["verdict"] = verdict(row)
     return [row]
 
