@@ -22,11 +22,11 @@ PTX -> ptxas -> cubin (Mosaic runs ptxas itself; its -v report, asked for with
 MOSAIC_GPU_DUMP_PTXAS=1, gives registers and spills: ``mosaic_compile_report``), and
 Mosaic's own SMEM scratch size (MOSAIC_GPU_DUMP_RESOURCES=1) is the row's smem_bytes.
 Where no report comes back (a jax whose custom call builds the cubin only when the
-executable is loaded on a device, as jax 0.12 + CUDA 12.9 did), registers and spills
-read "deferred to load time" (``deferred``, not a failure) and smem_bytes is the
-kernel's own estimate (``mosaic_decode.smem_bytes``). Rows also check that the custom
-call is in the optimized HLO and give the grid as the kernel passes it to
-``plgpu.kernel``.
+executable is loaded on a device; the first Mosaic rows, jax 0.12 + CUDA 12.9, were
+recorded as such without asking for the report), registers and spills read "deferred to
+load time" (``deferred``, not a failure) and smem_bytes is the kernel's own estimate
+(``mosaic_decode.smem_bytes``). Rows also check that the custom call is in the optimized
+HLO and give the grid as the kernel passes it to ``plgpu.kernel``.
 
 Mixture-of-experts steps ("step-mixtral-tiny-...", "step-qwen3moe-...": a tiny Mixtral and
 two layers at Qwen3-30B-A3B's shape; each grouped matmul of paged_jax.models.moe, and
