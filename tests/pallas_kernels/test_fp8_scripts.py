@@ -26,3 +26,10 @@ def test_bench_fp8_decode_smoke(tmp_path):
     # e4m3 keeps one more mantissa bit than e5m2: closer to the bf16 output.
     assert 0 < cells["fp8_e4m3"]["max_abs_diff_vs_bf16"] < cells["fp8_e5m2"]["max_abs_diff_vs_bf16"]
     assert cells["fp8_e5m2"]["max_abs_diff_vs_bf16"] < 0.5
+    # Each cache checked against the reference on the same cache, and the summary metrics
+    # follow from the cells (e4m3 against bf16).
+    assert all(c["agrees_with_reference"] for c in cells.values())
+    m = report["metrics"]
+    assert m["cells_timed"] == 3
+    assert m["fp8_max_abs_err_vs_bf16"] == cells["fp8_e4m3"]["max_abs_diff_vs_bf16"]
+    assert m["fp8_time_over_bf16"] == cells["fp8_e4m3"]["us"] / cells["bfloat16"]["us"]
