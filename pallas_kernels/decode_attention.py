@@ -29,6 +29,7 @@ from pallas_kernels._attention_kernel import (
 from pallas_kernels.quantization import kv_scales_array
 from pallas_kernels.tuning import current_device_kind, tuned_config
 from pallas_kernels.validation import (
+    array_shape,
     check_attention_values,
     check_offsets_fit,
     validate_attention_inputs,
@@ -187,7 +188,7 @@ def paged_attention(
     Returns:
         The attention output, in q's dtype, one row per sequence.
     """
-    num_seqs = block_tables.shape[0]
+    num_seqs = array_shape("block_tables", block_tables)[0]
     qsl = jnp.arange(num_seqs + 1, dtype=jnp.int32) if plan is None else plan.query_start_loc
     validate_attention_inputs(
         q,

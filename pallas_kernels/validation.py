@@ -19,8 +19,17 @@ FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.f
 CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 
 
-def _shape(name: str, x: Any) -> tuple[int, ...]:
+def array_shape(name: str, x: Any) -> tuple[int, ...]:
+    """x's shape, or a ValueError naming `name` when x is not one array."""
     shape = getattr(x, "shape", None)
+    if isinstance(x, (tuple, list)):
+        # paged_jax's AttentionMetadata.block_tables / slot_mappings hold one array per
+        # KV-cache group; a model written to the one-group contract passes the tuple.
+        raise ValueError(
+            f"{name} must be an array, got a {type(x).__name__} of {len(x)} (one per "
+            "KV-cache group?): pass one group's array, e.g. "
+            "attn_metadata.for_group(0).block_table / .slot_mapping"
+        )
     if shape is None or getattr(x, "dtype", None) is None:
         raise ValueError(f"{name} must be an array, got {type(x).__name__}")
     return tuple(shape)
@@ -28,7 +37,7 @@ def _shape(name: str, x: Any) -> tuple[int, ...]:
 
 def _expect(name: str, x: Any, shape: tuple[int | None, ...], what: str, dtypes=None) -> None:
     """`shape` entries of None are free; `what` spells the expected shape for messages."""
-    got = _shape(name, x)
+    got = array_shape(name, x)
     if len(got) != len(shape) or any(e is not None and e != g for e, g in zip(shape, got)):
         raise ValueError(f"{name} must have shape {what}, got {got}")
     if dtypes is not None and jnp.dtype(x.dtype) not in dtypes:
@@ -64,7 +73,7 @@ def check_offsets_fit(name: str, array: Any) -> None:
         ValueError: naming ``name``, its shape, dtype and bytes, and the most blocks
             (leading dim) it may have.
     """
-    shape = _shape(name, array)
+    shape = array_shape(name, array)
     itemsize = jnp.dtype(array.dtype).itemsize
     if not offsets_wrap(shape, itemsize):
         return

@@ -127,3 +127,16 @@ def test_validate_without_checkify_fails_loudly_instead_of_skipping(case):
             scale=0.1,
             validate=True,
         )
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_a_tuple_of_group_tables_names_for_group(case, impl):
+    # A model written to the one-group contract passes attn_metadata.block_tables, which is
+    # now a tuple of one array per KV-cache group: the error must say what to pass instead.
+    ops = pk.get_attention_ops("pallas_interpret" if impl == "kernel" else "reference")
+    with pytest.raises(
+        ValueError, match=r"block_tables must be an array, got a tuple of 1 .*for_group\(0\)"
+    ):
+        ops.paged_attention(
+            case.q, case.k_cache, case.v_cache, (case.block_tables,), case.seq_lens, scale=0.125
+        )
