@@ -36,11 +36,21 @@ optimized HLO: fusion kind or custom-call target, shape, and the rows x contract
 each), which shows whether ``jax.lax.ragged_dot`` became a grouped GEMM or a dense
 product over every expert.
 
-Needs the CUDA plugin and the NVIDIA assemblers in the venv (scripts/gpu_compile_check.sh
-installs them) and JAX_PLATFORMS=cpu, so no CUDA client is ever created.
+Step rows also carry the compiled step's memory analysis (per device): the KV pool's
+bytes, one layer's K + V, and the argument, output, aliased and temporary bytes. A step
+whose KV pool is not aliased input-to-output (not donated: copied into a new output) or
+whose temporaries reach one layer's K + V (room for a copy of a layer's cache) fails.
+
+Needs a jax CUDA plugin and the NVIDIA assemblers of the same CUDA major in the venv
+(find_toolchain: jax-cuda12-plugin + the -cu12 wheels, or jax-cuda13-plugin + the CUDA 13
+wheels; scripts/gpu_compile_check.sh installs either) and JAX_PLATFORMS=cpu, so no CUDA
+client is ever created. The report's header and every row name the toolchain.
 
     python scripts/gpu_compile_check.py --grid ci
     python scripts/gpu_compile_check.py --grid full      # writes docs/gpu_compile_h200.json
+                                                         # (CUDA 13: ..._cuda13.json)
+    python scripts/gpu_compile_check.py --toolchains A.json B.json   # side by side
+    python scripts/gpu_compile_check.py --memory A.json B.json       # the steps' memory
 """
 
 from __future__ import annotations
@@ -67,6 +77,14 @@ from pallas_kernels import roofline
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FULL_OUTPUT = REPO / "docs" / "gpu_compile_h200.json"
 CI_OUTPUT = REPO / "bench_results" / "gpu_compile_ci.json"
+
+
+def default_output(grid: str, cuda: str) -> pathlib.Path:
+    """Where a run writes without --output: the cuda12 paths above, "_cuda13" added for the
+    CUDA 13 toolchain (docs/gpu_compile_h200_cuda13.json for --grid full)."""
+    path = FULL_OUTPUT if grid == "full" else CI_OUTPUT
+    return path if cuda == "cuda12" else path.with_name(f"{path.stem}_{cuda}{path.suffix}")
+
 
 # A minimal stream_executor.GpuTargetConfigProto of an H200 (sm_90, 132 SMs). The device
 # string becomes the device kind, from which Pallas picks compute capability 9.0.
@@ -96,6 +114,19 @@ dnn_version_info { major: 9 minor: 8 patch: 0 }
 runtime_version { major: 12 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H200"
 """
+# The CUDA runtime each toolchain's target config names (CUDA 13: the GPU machine's 13.0).
+RUNTIME_VERSION = {"cuda12": (12, 8), "cuda13": (13, 0)}
+
+
+def target_config(cuda: str = "cuda12") -> str:
+    """TARGET_CONFIG with the runtime version of the `cuda` toolchain."""
+    major, minor = RUNTIME_VERSION[cuda]
+    return TARGET_CONFIG.replace(
+        "runtime_version { major: 12 minor: 8 patch: 0 }",
+        f"runtime_version {{ major: {major} minor: {minor} patch: 0 }}",
+    )
+
+
 SMEM_LIMIT_BYTES = 232448  # shared_memory_per_block_optin above
 ARCH = "sm_90a"
 # Cases that must fail, each for a reason a GPU would reject it too: deliberately
@@ -408,6 +439,22 @@ def _failure(row: dict) -> str | None:
         return None
     if status != "ok":
         return status
+    pool = row.get("kv_pool_bytes")
+    if pool:
+        alias, temp = row.get("alias_bytes"), row.get("temp_bytes")
+        if alias is None or temp is None:
+            return "no compiled memory analysis to show the KV pool is updated in place"
+        if alias < pool:
+            return (
+                f"KV pool not aliased input-to-output: {alias} B aliased < {pool} B of "
+                "pool (the step copies it)"
+            )
+        layer = row.get("kv_layer_bytes") or pool
+        if temp >= layer:
+            return (
+                f"temporaries {temp} B >= one layer's K + V ({layer} B of a {pool} B pool): "
+                "room for a copy of a layer's cache"
+            )
     if (row.get("smem_bytes") or 0) > SMEM_LIMIT_BYTES:
         return f"dynamic shared memory {row['smem_bytes']} B > {SMEM_LIMIT_BYTES} B"
     spill = max(row.get("spill_bytes_nvjitlink") or 0, row.get("spill_bytes_ptxas") or 0)
@@ -459,7 +506,22 @@ ROW_KEYS = (
     "collectives",
     "deferred",
     "moe_lowering",
+    "toolchain",
+    "kv_pool_bytes",
+    "kv_layer_bytes",
+    "argument_bytes",
+    "output_bytes",
+    "alias_bytes",
+    "temp_bytes",
 )
+# Step rows: the compiled step's memory analysis (per device) must show the KV pool
+# aliased input-to-output (donated, updated in place: a copy of the pool would be an
+# output of its own) and temporaries under one layer's K + V (a copy of any layer's
+# cache, as a scan over stacked caches could make, would be a temporary that size). At
+# the 8B's 32 layers one layer is 3.1% of the pool: under the 5% the pool's temporaries
+# may reach (MAX_TEMP_FRACTION, reported per row).
+MAX_TEMP_FRACTION = 0.05
+MEMORY_KEYS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
 
 
 def base_row(case: Case, kernel: str) -> dict:
@@ -521,28 +583,103 @@ def np_dtype(name: str):
 # ------------------------------------------------------------------------- toolchain
 
 
+# The CUDA plugins a venv may hold, newest first: (label, plugin module, its package).
+CUDA_PLUGINS = (
+    ("cuda13", "jax_plugins.xla_cuda13", "jax-cuda13-plugin"),
+    ("cuda12", "jax_plugins.xla_cuda12", "jax-cuda12-plugin"),
+)
+
+
 @dataclass(frozen=True)
 class Toolchain:
+    """The CUDA plugin XLA compiles with and the assemblers that read its PTX.
+
+    Attributes:
+        ptxas: Path of the ptxas binary (nvidia-cuda-nvcc).
+        nvjitlink: Path of libnvJitLink (nvidia-nvjitlink).
+        cuda: "cuda12" or "cuda13": which jax CUDA plugin the venv holds.
+        plugin: That plugin's package and version ("jax-cuda13-plugin 0.11.2").
+    """
+
     ptxas: str
     nvjitlink: str
+    cuda: str = "cuda12"
+    plugin: str = ""
+
+    def describe(self, jax_version: str) -> dict:
+        """The header's record of the toolchain (jax, plugin, both assemblers' versions)."""
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        _jitlink(self.nvjitlink)["Version"](ctypes.byref(major), ctypes.byref(minor))
+        return dict(
+            cuda=self.cuda,
+            label=self.label(jax_version),
+            jax=jax_version,
+            plugin=self.plugin,
+            ptxas=self.ptxas_version(),
+            nvjitlink=f"{major.value}.{minor.value}",
+        )
+
+    def label(self, jax_version: str) -> str:
+        """Every row's short name of the toolchain: "jax 0.11.2 + cuda13 (ptxas 13.0)"."""
+        m = re.search(r"cuda_(\d+\.\d+)", self.ptxas_version())
+        return f"jax {jax_version} + {self.cuda} (ptxas {m.group(1) if m else '?'})"
+
+    def ptxas_version(self) -> str:
+        return _ptxas_version(self.ptxas)
+
+
+@functools.cache
+def _ptxas_version(ptxas: str) -> str:
+    out = subprocess.run([ptxas, "--version"], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def installed_cuda() -> str:
+    """The CUDA plugin's label ("cuda13", "cuda12") the venv holds; "cuda12" when none."""
+    return next((p[0] for p in CUDA_PLUGINS if _find_spec(p[1]) is not None), "cuda12")
 
 
 def find_toolchain() -> Toolchain | str:
-    """The assemblers and the CUDA plugin, or a sentence saying what is missing."""
-    if _find_spec("jax_plugins.xla_cuda12") is None:
-        return "jax-cuda12-plugin is not installed (scripts/gpu_compile_check.sh installs it)"
+    """The venv's CUDA plugin (cuda13 or cuda12) and the assemblers of the same CUDA major,
+    or a sentence saying what is missing.
+
+    The CUDA 12 wheels (nvidia-cuda-nvcc-cu12, nvidia-nvjitlink-cu12) install under
+    nvidia/cuda_nvcc and nvidia/nvjitlink; the CUDA 13 ones (nvidia-cuda-nvcc,
+    nvidia-nvjitlink: no suffix) under nvidia/cu13. Both layouts are searched."""
+    import importlib.metadata as md
+
+    found_plugin = next((p for p in CUDA_PLUGINS if _find_spec(p[1]) is not None), None)
+    if found_plugin is None:
+        return (
+            "no jax CUDA plugin (jax-cuda13-plugin or jax-cuda12-plugin) is installed "
+            "(scripts/gpu_compile_check.sh installs one)"
+        )
+    cuda, _, package = found_plugin
+    major = cuda.removeprefix("cuda")
+    spec = _find_spec("nvidia")
+    roots = [pathlib.Path(r) for r in ((spec.submodule_search_locations or []) if spec else [])]
     found = {}
-    for key, package, rel in (
-        ("ptxas", "nvidia.cuda_nvcc", "bin/ptxas"),
-        ("nvjitlink", "nvidia.nvjitlink", "lib/libnvJitLink.so.12"),
+    for key, patterns in (
+        ("ptxas", ("cuda_nvcc/bin/ptxas", f"cu{major}/bin/ptxas")),
+        (
+            "nvjitlink",
+            (f"nvjitlink/lib/libnvJitLink.so.{major}", f"cu{major}/lib/libnvJitLink.so.{major}"),
+        ),
     ):
-        spec = _find_spec(package)
-        roots = (spec.submodule_search_locations or []) if spec else []
-        hits = [pathlib.Path(r) / rel for r in roots if (pathlib.Path(r) / rel).exists()]
+        hits = [r / p for r in roots for p in patterns if (r / p).exists()]
+        if key == "ptxas":  # the cuda12 layout's ptxas is CUDA 12 only if its version says so
+            hits = [h for h in hits if f"cuda_{major}." in _ptxas_version(str(h))]
         if not hits:
-            return f"{package} ({rel}) is not installed (scripts/gpu_compile_check.sh installs it)"
+            return (
+                f"{package} is installed but no CUDA {major} {key} ({' or '.join(patterns)} "
+                "under nvidia/) is (scripts/gpu_compile_check.sh installs it)"
+            )
         found[key] = str(hits[0])
-    return Toolchain(**found)
+    try:
+        version = md.version(package)
+    except md.PackageNotFoundError:
+        version = "?"
+    return Toolchain(**found, cuda=cuda, plugin=f"{package} {version}")
 
 
 def _find_spec(name: str):
@@ -755,7 +892,7 @@ def _jitlink(path: str):
     return {
         n: getattr(lib, f"nvJitLink{n}")
         for n in ("Create", "AddData", "Complete", "GetInfoLogSize", "GetInfoLog",
-                  "GetErrorLogSize", "GetErrorLog", "Destroy")
+                  "GetErrorLogSize", "GetErrorLog", "Destroy", "Version")
     }  # fmt: skip
 
 
@@ -890,7 +1027,9 @@ def topology(num_devices: int) -> list:
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(
-        platform="cuda", target_config=TARGET_CONFIG, topology=f"1x1x{num_devices}"
+        platform="cuda",
+        target_config=target_config(installed_cuda()),
+        topology=f"1x1x{num_devices}",
     )
     return list(topo.devices)
 
@@ -1289,7 +1428,7 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
         try:
             with jax.default_device(t.device):
                 lowered = jitted.lower(*args)
-            lowered.compile(
+            compiled = lowered.compile(
                 compiler_options={"xla_dump_to": str(dump), "xla_dump_emitter_re": "ptx"}
             )
         except Exception as e:  # noqa: BLE001 - a compile error is a recorded failure
@@ -1300,6 +1439,7 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
         compile_s = time.perf_counter() - start
         launches, ptx = kernel_launches(dump), kernel_ptx(dump)
         comms = collectives(dump) if is_step else None
+        memory = step_memory(compiled, args[1], case_layers(case)) if is_step else {}
         lowering = None
         if case.expert_matmul:
             from paged_jax.models.moe import EXPERT_MATMUL_SCOPE
@@ -1317,6 +1457,7 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
                 compile_s=round(compile_s, 2),
                 collectives=comms,
                 moe_lowering=lowering,
+                **memory,
             )
             if name in ptx:
                 row["regs_nvjitlink"], row["spill_bytes_nvjitlink"] = nvjitlink_stats(
@@ -1338,6 +1479,30 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
             row["verdict"] = verdict(row)
             rows.append(row)
         return rows
+
+
+def case_layers(case: Case) -> int:
+    """The step case's model depth (each layer keeps its own K and V)."""
+    return case.num_layers or MODEL_HF[case.model]["num_hidden_layers"]
+
+
+def step_memory(compiled, kv_caches, num_layers: int) -> dict:
+    """A compiled step's memory analysis beside its KV pool, per device (a sharded step's
+    analysis is one device's): kv_pool_bytes, kv_layer_bytes (one layer's K + V) and
+    MEMORY_KEYS, None where jax gives none."""
+    import jax
+    import numpy as np
+
+    pool = 0
+    for x in jax.tree.leaves(kv_caches):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        pool += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    out = dict(dict.fromkeys(MEMORY_KEYS), kv_pool_bytes=pool, kv_layer_bytes=pool // num_layers)
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        for key in MEMORY_KEYS:
+            out[key] = int(getattr(stats, key.replace("_bytes", "_size_in_bytes")))
+    return out
 
 
 # ------------------------------------------------------------------------------ main
@@ -1378,6 +1543,18 @@ def print_row(row: dict) -> None:
         f"{row['compile_s'] or 0:5.1f}s  {row['verdict'][:60]}",
         flush=True,
     )
+
+
+def print_memory(row: dict) -> None:
+    """A step's memory analysis, once per case."""
+    if row.get("kv_pool_bytes") and row.get("temp_bytes") is not None:
+        print(
+            f"{row['case'][:52]:52s} memory: KV pool {row['kv_pool_bytes'] / 2**30:.2f} GiB, aliased "
+            f"{row['alias_bytes'] / 2**30:.2f} GiB, temporaries {row['temp_bytes'] / 2**20:.1f}"
+            f" MiB ({row['temp_bytes'] / row['kv_pool_bytes']:.2%} of the pool, "
+            f"{row['temp_bytes'] / row['kv_layer_bytes']:.1%} of one layer's K + V)",
+            flush=True,
+        )
 
 
 def buffering_cell(row: dict) -> str:
@@ -1456,6 +1633,87 @@ def compare_table(before: list[dict], after: list[dict], pattern: str = "") -> s
     return "\n".join(lines)
 
 
+def report_label(report: dict) -> str:
+    """A report's toolchain label (reports written before the header had one: jax and
+    ptxas versions from the header)."""
+    if report.get("toolchain"):
+        return report["toolchain"]["label"]
+    m = re.search(r"cuda_(\d+)\.(\d+)", report.get("ptxas", ""))
+    cuda = f"cuda{m.group(1)} (ptxas {m.group(1)}.{m.group(2)})" if m else "?"
+    return f"jax {report.get('jax_version', '?')} + {cuda}"
+
+
+def toolchain_table(reports: list[dict], pattern: str = "") -> str:
+    """Registers, spills and dynamic shared memory of each (case, kernel) that every report
+    holds, side by side ("a / b" in the reports' order, one value where all agree)."""
+    keyed = [{(r["case"], r["kernel"]): r for r in rep["rows"]} for rep in reports]
+    shown = [
+        key for key in keyed[0] if re.search(pattern, key[0]) and all(key in k for k in keyed[1:])
+    ]
+    labels = []
+    for rep, k in zip(reports, keyed):  # a merged report's rows may come from several runs
+        found = dict.fromkeys(k[key].get("toolchain") or report_label(rep) for key in shown)
+        labels.append("; ".join(found) if found else report_label(rep))
+    lines = [
+        "toolchains: " + " / ".join(labels),
+        "",
+        "| case | kernel | regs nvJitLink | regs ptxas | spill B (nvJitLink, ptxas) | smem B "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def cell(rows: list[dict], fmt) -> str:
+        values = [fmt(r) for r in rows]
+        return values[0] if len(set(values)) == 1 else " / ".join(values)
+
+    def regs(key: str):
+        return lambda r: "deferred" if r.get("deferred") else str(r.get(key) or "-")
+
+    def spill(r: dict) -> str:
+        if r.get("deferred"):
+            return "deferred"
+        return f"{r.get('spill_bytes_nvjitlink') or 0}, {r.get('spill_bytes_ptxas') or 0}"
+
+    def smem(r: dict) -> str:
+        return "-" if r.get("smem_bytes") is None else f"{r['smem_bytes']:,}"
+
+    for key in shown:
+        rows = [k[key] for k in keyed]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {cell(rows, regs('regs_nvjitlink'))} "
+            f"| {cell(rows, regs('regs_ptxas'))} | {cell(rows, spill)} | {cell(rows, smem)} "
+            f"| {cell(rows, lambda r: r['verdict'].split(':')[0])} |"
+        )
+    return "\n".join(lines)
+
+
+def memory_table(reports: list[dict], pattern: str = "") -> str:
+    """The step rows' compiled memory analysis (one line per case and toolchain): the KV
+    pool, what the step aliases input-to-output, its temporaries and their share of the pool."""
+    lines = [
+        "| case | toolchain | KV pool (per device) | one layer's K + V | aliased in -> out "
+        "| arguments | outputs | temporaries | temp / pool | temp / layer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = lambda b: "-" if b is None else f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    for rep in reports:
+        seen = set()
+        for r in rep["rows"]:
+            if not r.get("kv_pool_bytes") or r["case"] in seen or not re.search(pattern, r["case"]):
+                continue
+            seen.add(r["case"])
+            temp, pool = r.get("temp_bytes"), r["kv_pool_bytes"]
+            layer = r.get("kv_layer_bytes") or pool
+            share = "-" if temp is None else f"{temp / pool:.2%}"
+            per_layer = "-" if temp is None else f"{temp / layer:.1%}"
+            lines.append(
+                f"| {r['case']} | {r.get('toolchain') or report_label(rep)} | {mib(pool)} "
+                f"| {mib(layer)} | {mib(r.get('alias_bytes'))} | {mib(r.get('argument_bytes'))} "
+                f"| {mib(r.get('output_bytes'))} | {mib(temp)} | {share} | {per_layer} |"
+            )
+    return "\n".join(lines)
+
+
 def merge_rows(old: list[dict], new: list[dict], order: list[str]) -> list[dict]:
     """`old` with the rows of `new`'s cases replaced by `new`'s, in grid `order` (cases
     not in the grid last); every row gets all ROW_KEYS (absent ones None)."""
@@ -1487,7 +1745,25 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("BEFORE", "AFTER"),
         help="print the before/after resource table of two reports (--only filters)",
     )
+    parser.add_argument(
+        "--toolchains",
+        nargs="+",
+        metavar="JSON",
+        help="print registers, spills and smem of the (case, kernel) rows every report holds, "
+        "side by side (one report per toolchain; --only filters)",
+    )
+    parser.add_argument(
+        "--memory",
+        nargs="+",
+        metavar="JSON",
+        help="print the step rows' compiled memory analysis: KV pool, aliased, temporaries",
+    )
     args = parser.parse_args(argv)
+    if args.toolchains or args.memory:
+        reports = [json.loads(pathlib.Path(p).read_text()) for p in args.toolchains or args.memory]
+        table = toolchain_table if args.toolchains else memory_table
+        print(table(reports, args.only or ""))
+        return 0
     if args.compare:
         before, after = (json.loads(pathlib.Path(p).read_text())["rows"] for p in args.compare)
         print(compare_table(before, after, args.only or ""))
@@ -1513,19 +1789,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import jax
 
-    output = pathlib.Path(args.output or (FULL_OUTPUT if args.grid == "full" else CI_OUTPUT))
-    ptxas_version = (
-        subprocess.run([tools.ptxas, "--version"], capture_output=True, text=True, check=True)
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    output = pathlib.Path(args.output or default_output(args.grid, tools.cuda))
+    toolchain = tools.describe(jax.__version__)
     header = dict(
         target="NVIDIA H200 (sm_90a), deviceless compile",
         command=f"python scripts/gpu_compile_check.py --grid {args.grid}"
         + (f" --only '{args.only}'" if args.only else ""),
         kernels_revision=kernels_revision(),
         jax_version=jax.__version__,
-        ptxas=ptxas_version,
+        ptxas=toolchain["ptxas"],
+        toolchain=toolchain,
         smem_limit_bytes=SMEM_LIMIT_BYTES,
         bandwidth_bytes_per_s=roofline.H200_BYTES_PER_S,
         rule=(
@@ -1543,8 +1816,10 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for case in cases:
         for row in compile_case(case, target, tools):
+            row["toolchain"] = toolchain["label"]
             rows.append(row)
             print_row(row)
+        print_memory(rows[-1])
         if not args.merge:
             write_report(output, dict(header, wall_s=round(time.perf_counter() - start, 1)), rows)
     if args.merge:
@@ -1552,11 +1827,13 @@ def main(argv: list[str] | None = None) -> int:
         run = dict(
             command=header["command"] + " --merge",
             kernels_revision=header["kernels_revision"],
+            toolchain=toolchain["label"],
             cases=len(cases),
             wall_s=round(time.perf_counter() - start, 1),
         )
         old_header = {k: v for k, v in old.items() if k not in ("failures", "rows")}
-        rows = merge_rows(old["rows"], rows, [c.name for c in GRIDS[args.grid]()])
+        # In the full grid's order (--grid ci's cases are a subset of it).
+        rows = merge_rows(old["rows"], rows, [c.name for c in grid_full()])
         merged = dict(
             old_header,
             rule=header["rule"],

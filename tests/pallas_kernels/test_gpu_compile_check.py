@@ -206,6 +206,11 @@ def test_tiny_cases_compile_for_an_h200(tmp_path):
     assert d80 and all(r["status"] == "ok" for r in d80), d80
     assert decode["kv_buffers_in_flight"] >= 1 and decode["cp_async"] > 0
     assert report["failures"] == []
+    # the toolchain the venv holds, in the header and on every row
+    tools = gcc.find_toolchain()
+    assert report["toolchain"]["cuda"] == tools.cuda
+    assert report["toolchain"]["ptxas"].startswith(f"Build cuda_{tools.cuda[4:]}.")
+    assert {r["toolchain"] for r in report["rows"]} == {report["toolchain"]["label"]}
 
 
 def test_markdown_table_of_synthetic_rows():
@@ -518,3 +523,138 @@ def test_tiny_moe_step_compiles_for_an_h200(tmp_path):
     assert rows and all(r["status"] == "ok" for r in rows) and report["failures"] == []
     lowering = rows[0]["moe_lowering"]
     assert lowering["matmul"] == "tiled" and lowering["num_ops"] >= 3, lowering
+    # the step updates its KV pool in place: aliased input-to-output, few temporaries
+    row = rows[0]
+    pool = row["kv_pool_bytes"]
+    # K and V of two stacked layers x (4 KV heads x block 16 x head_dim 64 x bf16) per block
+    blocks = gcc.POOL_BYTES // 32 // (2 * gcc.NUM_KV_HEADS * 16 * 64 * 2)
+    assert pool == 2 * 2 * blocks * (4 * 16 * 64 * 2), pool
+    assert row["alias_bytes"] >= pool and row["output_bytes"] >= pool, row
+    assert row["kv_layer_bytes"] == pool // 2 and row["temp_bytes"] < row["kv_layer_bytes"], row
+
+
+def _step_row(**kw):
+    case = gcc.Case("step-synthetic", "step", model="llama8b")
+    row = gcc.base_row(case, "paged_write_kv")
+    row.update(status="ok", smem_bytes=0, kv_pool_bytes=1000, kv_layer_bytes=500)
+    row.update(alias_bytes=1016, temp_bytes=49)
+    row.update(argument_bytes=1100, output_bytes=1020)
+    row.update(kw)
+    return row
+
+
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({}, "pass"),
+        (dict(alias_bytes=16), "fail"),  # the KV pool is not donated: copied every step
+        (dict(alias_bytes=999), "fail"),  # one of the pool's tensors is not aliased
+        (dict(temp_bytes=499), "pass"),  # activations, logits, the sampler's sort
+        (dict(temp_bytes=500), "fail"),  # room for a copy of one layer's K + V
+        (dict(alias_bytes=None, temp_bytes=None), "fail"),  # no evidence either way
+        (dict(kv_pool_bytes=None, alias_bytes=None, temp_bytes=None), "pass"),  # a kernel row
+    ],
+)
+def test_failure_rule_of_step_memory(kw, expected):
+    row = _step_row(**kw)
+    v = gcc.verdict(row)
+    assert v.split(":")[0] == expected, v
+    if kw.get("alias_bytes") == 16:
+        assert "KV pool not aliased input-to-output" in v
+    if kw.get("temp_bytes") == 500:
+        assert "one layer's K + V (500 B of a 1000 B pool)" in v
+
+
+def test_default_outputs_per_toolchain():
+    assert gcc.default_output("full", "cuda12") == gcc.REPO / "docs" / "gpu_compile_h200.json"
+    assert gcc.default_output("full", "cuda13") == (
+        gcc.REPO / "docs" / "gpu_compile_h200_cuda13.json"
+    )
+    assert gcc.default_output("ci", "cuda13").name == "gpu_compile_ci_cuda13.json"
+    assert "runtime_version { major: 13 minor: 0 patch: 0 }" in gcc.target_config("cuda13")
+    assert gcc.target_config("cuda12") == gcc.TARGET_CONFIG
+
+
+def _fake_toolchain(root: pathlib.Path, plugin: str, ptxas_build: str, layout: str) -> None:
+    """A site dir holding a jax CUDA plugin module and NVIDIA wheels' files in `layout`."""
+    (root / "jax_plugins" / plugin).mkdir(parents=True)
+    (root / "jax_plugins" / plugin / "__init__.py").write_text("")
+    major = plugin.removeprefix("xla_cuda")
+    bin_dir, lib_dir = {
+        "cu12": (root / "nvidia/cuda_nvcc/bin", root / "nvidia/nvjitlink/lib"),
+        "cu13": (root / "nvidia/cu13/bin", root / "nvidia/cu13/lib"),
+    }[layout]
+    bin_dir.mkdir(parents=True)
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    ptxas = bin_dir / "ptxas"
+    ptxas.write_text(f"#!/bin/sh\necho 'ptxas: NVIDIA (R)'\necho '{ptxas_build}'\n")
+    ptxas.chmod(0o755)
+    (lib_dir / f"libnvJitLink.so.{major}").write_text("")
+
+
+def _isolated_toolchain(monkeypatch, root: pathlib.Path):
+    """find_toolchain() seeing only `root` (not the venv's real plugin or wheels)."""
+    real = gcc._find_spec
+
+    def find_spec(name):
+        if name.startswith("jax_plugins.") or name == "nvidia":
+            spec = real(name)
+            if spec is None:
+                return None
+            paths = [p for p in (spec.submodule_search_locations or [spec.origin]) if p]
+            return spec if any(pathlib.Path(p).is_relative_to(root) for p in paths) else None
+        return real(name)
+
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(gcc, "_find_spec", find_spec)
+
+
+def test_find_toolchain_reads_the_cuda13_layout(tmp_path, monkeypatch):
+    _fake_toolchain(tmp_path, "xla_cuda13", "Build cuda_13.0.r13.0/compiler.1_0", "cu13")
+    _isolated_toolchain(monkeypatch, tmp_path)
+    tools = gcc.find_toolchain()
+    assert not isinstance(tools, str), tools
+    assert tools.cuda == "cuda13" and tools.plugin.startswith("jax-cuda13-plugin ")
+    assert tools.ptxas == str(tmp_path / "nvidia/cu13/bin/ptxas")
+    assert tools.nvjitlink == str(tmp_path / "nvidia/cu13/lib/libnvJitLink.so.13")
+    assert tools.label("0.11.2") == "jax 0.11.2 + cuda13 (ptxas 13.0)"
+
+
+def test_find_toolchain_refuses_assemblers_of_another_cuda(tmp_path, monkeypatch):
+    # a CUDA 13 plugin beside CUDA 12 assemblers: XLA's PTX would be read by the wrong ptxas
+    _fake_toolchain(tmp_path, "xla_cuda13", "Build cuda_12.9.r12.9/compiler.1_0", "cu12")
+    _isolated_toolchain(monkeypatch, tmp_path)
+    got = gcc.find_toolchain()
+    assert isinstance(got, str) and "no CUDA 13 ptxas" in got, got
+
+
+def _report(label: str, rows: list[dict]) -> dict:
+    return dict(toolchain=dict(label=label), rows=rows)
+
+
+def test_toolchain_table_sets_the_toolchains_side_by_side():
+    a = _row(grid=[97, 8, 1], warps=4, regs_nvjitlink=168, regs_ptxas=128, smem_bytes=71680)
+    b = dict(a, regs_nvjitlink=170)
+    a["verdict"] = b["verdict"] = "pass"
+    only_a = dict(a, case="only-in-a")
+    text = gcc.toolchain_table([_report("jax 0.12 + cuda12", [a, only_a]),
+                                _report("jax 0.11.2 + cuda13", [b])])  # fmt: skip
+    lines = text.splitlines()
+    assert lines[0] == "toolchains: jax 0.12 + cuda12 / jax 0.11.2 + cuda13"
+    assert lines[4] == (
+        "| synthetic | paged_decode_attention | 168 / 170 | 128 | 0, 0 | 71,680 | pass |"
+    )
+    assert len(lines) == 5, "a case only one report holds is left out"
+    old = dict(ptxas="Build cuda_12.9.r12.9/compiler.1_0", jax_version="0.12.0.1", rows=[])
+    assert gcc.report_label(old) == "jax 0.12.0.1 + cuda12 (ptxas 12.9)"
+
+
+def test_memory_table_of_a_step_row():
+    row = _step_row(kv_pool_bytes=6 * 2**30, kv_layer_bytes=3 * 2**30, alias_bytes=6 * 2**30 + 1024,
+                    temp_bytes=96 * 2**20, argument_bytes=7 * 2**30, output_bytes=6 * 2**30)  # fmt: skip
+    lines = gcc.memory_table([_report("t", [row, dict(row, kernel="other")])]).splitlines()
+    assert len(lines) == 3, "one line per case, not per kernel"
+    assert lines[2] == (
+        "| step-synthetic | t | 6,144.0 MiB | 3,072.0 MiB | 6,144.0 MiB | 7,168.0 MiB "
+        "| 6,144.0 MiB | 96.0 MiB | 1.56% | 3.1% |"
+    )
