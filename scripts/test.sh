@@ -14,4 +14,9 @@ fi
 # module's fixtures, such as the multi-device subprocess run, on one worker): most tests
 # are single-threaded XLA compiles, so on 2 cores this halves the wall time.
 # $PAGED_JAX_TEST_WORKERS sets the count (0 = in the runner's own process).
-exec .venv/bin/python -m pytest -q -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope "$@"
+# The workers share one persistent XLA compilation cache (tests/conftest.py: under
+# ~/.cache/paged_jax/test-xla-cache/, one folder per Python/jax/jaxlib/backend;
+# PAGED_JAX_TEST_XLA_CACHE=0 turns it off). --durations=20: the slowest tests, each run
+# (docs/ci.md).
+exec .venv/bin/python -m pytest -q -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope \
+  --durations=20 "$@"

@@ -22,6 +22,8 @@ export JAX_PLATFORMS=cpu
 # The folders whose code calls jax (kernels, models, the worker, the engine): the host-only
 # tests (tests/core) and the API tests (tests/llm, mostly torch-based) do not depend on
 # the jax version, and the default-Python suite runs them.
+# The shared XLA compilation cache of tests/conftest.py keeps this venv's entries in their
+# own folder (its name carries the Python, jax and jaxlib versions).
 exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
-  -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope \
+  -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope --durations=20 \
   tests/pallas_kernels tests/worker tests/engine tests/models "$@"

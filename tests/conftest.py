@@ -7,18 +7,79 @@
 transformers/torch are imported inside the fixtures only, so test modules that do not use
 them never pay for the import; where they are not installed (the Python 3.12 newest-jax
 venv of scripts/test_newest_jax.sh), every test using these fixtures skips with a reason.
+
+Every test process (both pytest-xdist workers, both CI Python stages, and the subprocesses
+tests spawn, through the environment) shares one persistent XLA compilation cache: see
+pytest_configure. PAGED_JAX_TEST_XLA_CACHE=0 turns it off; a path moves it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import sys
 from typing import Any
 
 import numpy as np
 import pytest
 
+from paged_jax.compile_cache import default_cache_root
 from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
+
+TEST_XLA_CACHE_ENV = "PAGED_JAX_TEST_XLA_CACHE"
+
+
+def shared_xla_cache_dir() -> pathlib.Path | None:
+    """<$PAGED_JAX_TEST_XLA_CACHE or <user cache dir>/test-xla-cache>/<key>, None when off.
+
+    JAX's own cache key covers the HLO, the compile options, the devices and the jaxlib
+    version, so a stale entry is never loaded; the folder name also carries the Python,
+    jax and jaxlib versions and the backend so that each CI stage (Python 3.11 and 3.12,
+    different jax) keeps its own folder and an old one can be deleted whole. The user
+    cache dir is $PAGED_JAX_CACHE or ~/.cache/paged_jax, which a cold CI run removes.
+    """
+    setting = os.environ.get(TEST_XLA_CACHE_ENV, "")
+    if setting.strip().lower() in ("0", "off", "false", "no"):
+        return None
+    import jax
+    import jaxlib
+
+    key = (
+        f"py{sys.version_info.major}.{sys.version_info.minor}-jax{jax.__version__}"
+        f"-jaxlib{jaxlib.__version__}-{jax.default_backend()}"
+    )
+    root = pathlib.Path(setting) if setting else default_cache_root() / "test-xla-cache"
+    return root / key
+
+
+def pytest_configure(config):
+    """Turns on the shared test compilation cache, in-process and for spawned processes.
+
+    Test programs are small: most compile in well under JAX's default one-second
+    threshold for caching, so both thresholds are zero and every compile is cached.
+    Programs the engine serializes itself (paged_jax.worker.executable_cache) are kept
+    out of this cache by the engine, as in any other run.
+    """
+    path = shared_xla_cache_dir()
+    if path is None:
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "jax_compilation_cache_dir": str(path),
+        "jax_persistent_cache_min_compile_time_secs": 0.0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
+    import jax
+
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        # jax reads JAX_<NAME> at import: subprocesses that start python get the same cache.
+        os.environ[name.upper()] = str(value)
+    # jax opens its cache at the first compile and keeps that directory for the process's
+    # life; compile once now so that a test calling enable_compile_cache(tmp_path) first
+    # does not move the whole worker's cache into its temporary directory.
+    jax.jit(lambda: 0)()
 
 
 def _require_torch_and_transformers() -> None:

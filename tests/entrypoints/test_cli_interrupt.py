@@ -41,7 +41,10 @@ def _default_sigint() -> None:
 
 def _interrupt(cmd: list[str], marker: str, delay_s: float) -> tuple[int, str]:
     """Runs `cmd`, sends SIGINT `delay_s` after `marker` shows on stderr; (status, stderr)."""
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    # Without the suite's shared XLA cache (tests/conftest.py): a warm one would load the
+    # step programs at once and leave no compile in progress to interrupt.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env["PYTHONFAULTHANDLER"] = "1"
     proc = subprocess.Popen(
         cmd,
         stderr=subprocess.PIPE,
