@@ -150,7 +150,9 @@ run_cell() {
   [ "$name" = smoke ] && json=$LOGS/smoke.json # folded into summary.json
   rm -f "$json" "$LOGS/$name.log"
   echo "== $name (limit $limit s, $(($(date +%s) - start)) s elapsed): $*"
-  local t0=$(date +%s)
+  local t0=$(date +%s) cpu0
+  children_cpu_ms >"$LOGS/cpu0.txt"
+  cpu0=$(<"$LOGS/cpu0.txt")
   timeout -k 5 "$limit" "$@" >"$LOGS/$name.log" 2>&1 &
   pid=$!
   local extra=()
@@ -163,10 +165,20 @@ run_cell() {
   local rc=$?
   wait "$watcher"
   seconds=$(($(date +%s) - t0))
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" "$(field_of "$name" 1)" \
-    "$(field_of "$name" 2)" "$(field_of "$name" 3)" "$json" "$*" >>"$LOGS/cells.tsv"
+  children_cpu_ms >"$LOGS/cpu1.txt"
+  local cpu_s=$((($(<"$LOGS/cpu1.txt") - cpu0 + 500) / 1000))
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" "$(field_of "$name" 1)" \
+    "$(field_of "$name" 2)" "$(field_of "$name" 3)" "$json" "$*" "$cpu_s" >>"$LOGS/cells.tsv"
   report summary --start "$start" || echo "gpu_checks: could not write $OUT/summary.json"
   echo "== $name: rc $rc in $seconds s"
+}
+# CPU milliseconds (user + system) of this shell's finished children, from `times`: a cell's
+# share is what a loaded machine cannot inflate the way it inflates wall seconds.
+# (`times` runs in this shell, redirected: in a pipe or $(...) it would see a subshell's.)
+children_cpu_ms() {
+  times >"$LOGS/times.txt"
+  awk 'NR == 2 { t = 0; for (i = 1; i <= 2; i++) { split($i, a, /m|s/); t += a[1] * 60 + a[2] }
+    printf "%d", t * 1000 }' "$LOGS/times.txt"
 }
 tl() { echo --time-limit "$(($(field_of "$1" 2) * GPU_CHECKS_SLOWDOWN))"; }
 

@@ -199,6 +199,7 @@ def watch(args) -> int:
             writes_seen_running=len(seen),
             first_json_s=None if first_s is None else round(first_s, 2),
             ended_s=round(time.monotonic() - t0, 2),
+            watcher_cpu_s=round(time.process_time(), 2),  # not the cell's: taken off its cpu_s
         ),
     )
     return 0
@@ -262,7 +263,7 @@ def build_summary(out: pathlib.Path, logs: pathlib.Path, *, start: float, mode: 
         summary["limits_scaled_by"] = slowdown  # a loaded machine: the budget is not shown
     rows = (logs / "cells.tsv").read_text().splitlines() if (logs / "cells.tsv").exists() else []
     for line in rows:
-        name, rc, seconds, limit, time_limit, json_name, json_at, command = line.split("\t")
+        name, rc, seconds, limit, time_limit, json_name, json_at, command, *cpu = line.split("\t")
         rc = int(rc)
         data = read_json(pathlib.Path(json_at))
         watched = read_json(logs / f"{name}.watch.json")
@@ -276,6 +277,8 @@ def build_summary(out: pathlib.Path, logs: pathlib.Path, *, start: float, mode: 
             problems=problems,
             rc=rc,
             seconds=int(seconds),
+            # user + system seconds of the cell's processes (the shell's, less the watcher's)
+            cpu_s=None if not cpu else round(int(cpu[0]) - (watched or {}).get("watcher_cpu_s", 0)),
             limit_s=int(limit),
             time_limit_s=None if time_limit == "-" else int(time_limit),
             json=json_name,
@@ -313,10 +316,14 @@ def check(out: pathlib.Path, *, mode: str, expect: list[str]) -> list[str]:
     if summary is None:
         return ["summary.json is missing or does not parse"]
     cells = {c["name"]: c for c in summary["cells"]}
-    print(f"{'cell':<13} {'seconds':>7} {'limit':>5}  {'status':<8} numbers")
+    print(f"{'cell':<13} {'seconds':>7} {'cpu_s':>5} {'limit':>5}  {'status':<8} numbers")
     for c in summary["cells"]:
         numbers = ", ".join(f"{k}={fmt(v)}" for k, v in (c["metrics"] or {}).items())
-        print(f"{c['name']:<13} {c['seconds']:>7} {c['limit_s']:>5}  {c['status']:<8} {numbers}")
+        cpu = "-" if c.get("cpu_s") is None else c["cpu_s"]
+        print(
+            f"{c['name']:<13} {c['seconds']:>7} {cpu:>5} {c['limit_s']:>5}  {c['status']:<8} "
+            f"{numbers}"
+        )
         problems += [f"{c['name']}: {p}" for p in c["problems"]]
     missing = [name for name in expect if name not in cells]
     if missing:

@@ -263,7 +263,7 @@ def test_check_fails_a_ninth_file_and_a_missing_cell(tmp_path, capsys):
     assert [c["status"] for c in summary["cells"]] == ["ok", "ok"]
     assert report.check(out, mode="device", expect=["smoke", "bench_mixed"]) == []
     table = capsys.readouterr().out
-    assert re.search(r"smoke\s+3\s+40\s+ok\s+decode_max_abs_err=0.004, copy_gbps=12", table)
+    assert re.search(r"smoke\s+3\s+-\s+40\s+ok\s+decode_max_abs_err=0.004, copy_gbps=12", table)
     (why,) = report.check(out, mode="device", expect=["smoke", "bench_mixed", "autotune"])
     assert "lacks cells ['autotune']" in why
     for i in range(7):  # 2 files + 7 = 9 under $OUT
@@ -295,7 +295,7 @@ def test_rehearsed_smoke_cell_folds_into_summary_json(tmp_path):
     assert smoke["versions"]["jax"] and smoke["decode"]["agrees"]
     assert 0 <= smoke["metrics"]["decode_max_abs_err"] <= smoke["decode"]["tolerance"]
     assert smoke["metrics"]["copy_gbps"] > 0
-    assert re.search(r"smoke\s+\d+\s+40\s+ok\s+copy_gbps=\S+, decode_max_abs_err=", run.stdout)
+    assert re.search(r"smoke\s+\d+\s+\d+\s+40\s+ok\s+copy_gbps=\S+, decode_max_abs_err=", run.stdout)
 
 
 def python_with_pytest_timeout() -> str:
