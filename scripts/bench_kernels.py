@@ -393,7 +393,6 @@ def run_decode(args) -> int:
 
     rehearse = args.rehearse
     names = backends(rehearse)
-    print(f"start {time.monotonic() - START:.1f} s", flush=True)
     device = jax.devices()[0]
     peak = args.peak_gbps or peak_gbps(device.device_kind) or H200_PEAK_GBPS
     theirs, theirs_missing = jax_paged_attention(interpret=rehearse)
@@ -444,7 +443,7 @@ def run_decode(args) -> int:
         if time.monotonic() > deadline:
             break
         pool = make_pool(heads, num_blocks)
-        print(f"pool {time.monotonic() - START:.1f} s", flush=True)
+        print(f"pool of {num_blocks} blocks ready [{time.monotonic() - START:.0f} s]", flush=True)
         # JAX's kernel wants head-major pages [kv, blocks, bs, d].
         caches, head_major = pool["caches"], pool["head_major"]
         report.data["pools"].append(
@@ -528,8 +527,10 @@ def decode_cell(report, group, caches, head_major, fns, batch, context, rng, pea
             failed |= not res["agrees"]
         report.data["metrics"] = decode_metrics(report.data)
         report.flush()
-        print(f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)}", flush=True)
-        print(f"  ({time.monotonic() - START:.1f} s)", flush=True)
+        elapsed = f"[{time.monotonic() - START:.0f} s]"
+        print(
+            f"decode b={batch:<3d} ctx={context:<5d} {impl:10s} {shown(res)} {elapsed}", flush=True
+        )
     ours = row["impls"]["pallas"].get("us")
     for other in ("mosaic", "jax_pallas", "xla_gather"):
         theirs_us = row["impls"][other].get("us")
