@@ -459,8 +459,14 @@ def test_mosaic_case_compiles_for_an_h200_and_merges(tmp_path):
     assert row["kernel"] == "paged_decode_attention_mosaic" and row["status"] == "ok"
     # a work list of key chunks: at least one program per sequence, one per KV head
     assert row["grid"][0] > 64 and row["grid"][1:] == [8, 1] and row["warps"] == 4
-    assert row["smem_bytes"] == gcc.mosaic_smem_bytes(gcc.mosaic("decode", batch=64, context=2048))
-    assert row["regs_ptxas"] is None and "deferred to load time" in row["deferred"]
+    estimate = gcc.mosaic_smem_bytes(gcc.mosaic("decode", batch=64, context=2048))
+    if row["deferred"]:  # the cubin is built at load time: the kernel's own estimate
+        assert row["smem_bytes"] == estimate
+        assert row["regs_ptxas"] is None and "deferred to load time" in row["deferred"]
+    else:  # Mosaic ran ptxas during the compile (jax 0.11.2 + CUDA 13): its own report
+        assert 0 < row["regs_ptxas"] <= 255 and row["spill_bytes_ptxas"] == 0, row
+        assert row["smem_bytes_estimate"] == estimate
+        assert 0 < row["smem_bytes"] <= gcc.SMEM_LIMIT_BYTES
     assert row["verdict"] == "pass" and report["failures"] == []
 
 
@@ -593,19 +599,20 @@ def _fake_toolchain(root: pathlib.Path, plugin: str, ptxas_build: str, layout: s
 
 
 def _isolated_toolchain(monkeypatch, root: pathlib.Path):
-    """find_toolchain() seeing only `root` (not the venv's real plugin or wheels)."""
+    """find_toolchain() seeing only `root`'s plugin and wheels (not the venv's real ones)."""
+    import importlib.machinery
+
     real = gcc._find_spec
 
     def find_spec(name):
-        if name.startswith("jax_plugins.") or name == "nvidia":
-            spec = real(name)
-            if spec is None:
-                return None
-            paths = [p for p in (spec.submodule_search_locations or [spec.origin]) if p]
-            return spec if any(pathlib.Path(p).is_relative_to(root) for p in paths) else None
+        if name.startswith("jax_plugins."):
+            return importlib.machinery.PathFinder.find_spec(
+                name.split(".", 1)[1], [str(root / "jax_plugins")]
+            )
+        if name == "nvidia":
+            return importlib.machinery.PathFinder.find_spec(name, [str(root)])
         return real(name)
 
-    monkeypatch.syspath_prepend(str(root))
     monkeypatch.setattr(gcc, "_find_spec", find_spec)
 
 
