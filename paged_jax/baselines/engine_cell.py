@@ -122,12 +122,20 @@ class CellPlan:
         return make_trace(workload)
 
 
+# Sized for a ~60 s cell on an H200, by estimate (no GPU has run it yet): warm-up's step
+# programs dominate (6 here, token buckets 16, 64, 256 and their decode-only twins, beside
+# the small block-copy and prompt-logprobs programs; a
+# deviceless H200 compile of one 8B step program took 17-26 s on a loaded 2-core CPU,
+# docs/gpu_compile_steps_depth.json), so the step budget stays at 256 tokens, and the
+# points, ~0.7-3 s each at these lengths, fill the rest. The report's timeline_s says
+# where the time went, to re-size from.
 DEVICE_PLAN = CellPlan(
     model_config=LLAMA3_8B_CONFIG,
     dtype="bfloat16",
-    batches=(256, 128, 32, 8, 1),
-    prompt_len=256,
-    output_len=256,
+    batches=(256, 64, 16, 1),
+    prompt_len=128,
+    output_len=128,
+    max_num_batched_tokens=256,
 )
 REHEARSAL_PLAN = CellPlan(
     model_config=REHEARSAL_MODEL_CONFIG,
@@ -206,13 +214,17 @@ def _metrics(points: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _print_flushed(line: str) -> None:
+    print(line, flush=True)
+
+
 def run_cell(
     plan: CellPlan,
     output: str | pathlib.Path,
     *,
     time_limit: float | None = None,
     header: dict[str, Any] | None = None,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = _print_flushed,
     start: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, Any]:
@@ -224,7 +236,8 @@ def run_cell(
         time_limit: seconds since `start` after which no point starts (see the module
             docstring); None: every point runs.
         header: fields put first in the report (command, source, machine).
-        log: progress lines.
+        log: progress lines (default: printed and flushed, so a killed cell's log keeps
+            them).
         start: `clock()` at the process's start (default: now).
         clock: seconds, for the time limit and the timeline (tests pass a fake one).
     """
@@ -255,6 +268,7 @@ def run_cell(
         report["elapsed_s"] = clock() - start
         write_json_atomic(output, report)
 
+    report["timeline_s"]["start_to_model_init"] = clock() - start  # imports, backend
     save("model init")
     t0 = clock()
     model = random_model(plan.model_config, dtype=plan.dtype, seed=plan.seed)
@@ -268,7 +282,7 @@ def run_cell(
         "kv_bytes_per_token": kv_bytes_per_token(model),
     }
     log(
-        f"model: {report['model']['num_parameters'] / 1e9:.2f}B parameters in "
+        f"model: {report['model']['num_parameters']:,} parameters in "
         f"{report['timeline_s']['param_init']:.1f} s"
     )
     save("engine build + warm-up")
