@@ -17,6 +17,7 @@ fi
 # The workers share one persistent XLA compilation cache (tests/conftest.py: under
 # ~/.cache/paged_jax/test-xla-cache/, one folder per Python/jax/jaxlib/backend;
 # PAGED_JAX_TEST_XLA_CACHE=0 turns it off). --durations=20: the slowest tests, each run
-# (docs/ci.md).
+# (docs/ci.md), by wall time and by CPU seconds (steadier on a loaded machine).
+export PAGED_JAX_TEST_CPU_DURATIONS="${PAGED_JAX_TEST_CPU_DURATIONS:-20}"
 exec .venv/bin/python -m pytest -q -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope \
   --durations=20 "$@"

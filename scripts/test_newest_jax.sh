@@ -24,6 +24,7 @@ export JAX_PLATFORMS=cpu
 # the jax version, and the default-Python suite runs them.
 # The shared XLA compilation cache of tests/conftest.py keeps this venv's entries in their
 # own folder (its name carries the Python, jax and jaxlib versions).
+export PAGED_JAX_TEST_CPU_DURATIONS="${PAGED_JAX_TEST_CPU_DURATIONS:-20}"
 exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
   -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope --durations=20 \
   tests/pallas_kernels tests/worker tests/engine tests/models "$@"

@@ -28,6 +28,56 @@ from paged_jax.compile_cache import default_cache_root
 from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
 
 TEST_XLA_CACHE_ENV = "PAGED_JAX_TEST_XLA_CACHE"
+# PAGED_JAX_TEST_CPU_DURATIONS=N: print the N tests that took the most CPU seconds (setup,
+# call and teardown; the test process plus the subprocesses it waited for). On a shared,
+# loaded machine wall times swing several-fold while CPU seconds stay close to the wall
+# time of an idle 2-core CI machine; docs/ci.md's slowest tests were measured so.
+CPU_DURATIONS_ENV = "PAGED_JAX_TEST_CPU_DURATIONS"
+_cpu_seconds: dict[str, float] = {}
+
+
+def _process_cpu_seconds() -> float:
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+_CPU_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if os.environ.get(CPU_DURATIONS_ENV):
+        item.stash[_CPU_START] = _process_cpu_seconds()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    # The teardown report carries the test's CPU seconds as a user property, so that
+    # pytest-xdist workers hand it to the controller with the report.
+    if call.when == "teardown" and _CPU_START in item.stash:
+        spent = _process_cpu_seconds() - item.stash[_CPU_START]
+        item.user_properties.append(("cpu_s", round(spent, 2)))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "cpu_s":
+                _cpu_seconds[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter):
+    count = int(os.environ.get(CPU_DURATIONS_ENV) or 0)
+    if count <= 0 or not _cpu_seconds:
+        return
+    slowest = sorted(_cpu_seconds.items(), key=lambda kv: -kv[1])[:count]
+    total = sum(_cpu_seconds.values())
+    terminalreporter.write_sep("=", f"{len(slowest)} most CPU seconds (all: {total:.1f} s)")
+    for nodeid, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.2f}s cpu  {nodeid}")
 
 
 def shared_xla_cache_dir() -> pathlib.Path | None:
