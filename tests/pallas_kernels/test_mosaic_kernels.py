@@ -383,7 +383,8 @@ def test_mosaic_ragged_sweep(shape, masking, knobs):
 
 
 def _h200_target():
-    """A compile-only H200 device (CUDA plugin needed), or skip."""
+    """A compile-only H200 device (CUDA plugin needed) and the compile-check module, or
+    skip."""
     try:
         from jax.experimental import topologies
 
@@ -396,7 +397,7 @@ def _h200_target():
         )
     except Exception as e:  # no CUDA plugin in this venv
         pytest.skip(f"no deviceless H200 target here ({type(e).__name__}: {e})"[:200])
-    return topo.devices[0]
+    return topo.devices[0], gcc
 
 
 @pytest.mark.parametrize(
@@ -409,7 +410,7 @@ def test_mosaic_kernels_lower_for_an_h200(kernel, cache_dtype):
     # of the SMEM tiling): Mosaic's layout inference and SMEM check must pass too.
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    device = _h200_target()
+    device, gcc = _h200_target()
     sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
 
     def spec(shape, dtype="int32"):
@@ -428,7 +429,12 @@ def test_mosaic_kernels_lower_for_an_h200(kernel, cache_dtype):
     if kernel == "ragged":
         args.append(spec((seqs + 1,)))
         fn = ragged_paged_attention_mosaic
-    with jax.default_device(device):
+    with gcc.mosaic_compile_report() as report, jax.default_device(device):
         lowered = jax.jit(functools.partial(fn, **static)).lower(*args, **scales)
         assert "mosaic_gpu" in lowered.as_text()
         lowered.compile()
+    # jax 0.11.2 + jax-cuda13-plugin assemble the kernel during the compile (ptxas's
+    # report comes back); a jax that builds the cubin only on a device reports nothing.
+    regs, spills = gcc.parse_assembler_log(report["text"])
+    if regs is not None:
+        assert 0 < regs <= 255 and spills == 0, report["text"][-600:]
