@@ -194,6 +194,17 @@ def schedule_digest(parts: Any) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def lockstep_parts(out: Any) -> tuple:
+    """What a step's schedule (a SchedulerOutput) decides, for the lockstep checksum."""
+    return (
+        out.scheduled,
+        [row.req_id for row in out.new_rows],
+        sorted(out.new_block_ids.items()),
+        out.preempted_req_ids,
+        out.block_copies,
+    )
+
+
 class LockstepGuard:
     """Compares the processes' schedules before a step runs.
 

@@ -1,12 +1,17 @@
-"""Engine: requests in, finished outputs out; one scheduler step + one device step per call.
+"""Engine core: requests in, finished outputs out; one scheduler step + one device step per call.
 
 add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.dispatch
-            -> Scheduler.update_from_output -> finished EngineOutputs
+            -> Scheduler.update_from_output -> OutputProcessor -> finished EngineOutputs
 
-The engine also owns forks: ``fork_request`` starts a child on its parent's KV blocks,
-and a request with ``SamplingParams.n > 1`` is a parent whose samples it forks after
-one prefill (``paged_jax.parallel_sampling``). A step that raises is rolled back (see
-``Engine.step``); one lock serialises the public calls of several threads.
+The core schedules, executes, applies sampled tokens and rolls a failed step back (see
+``Engine.step``); it never looks at text. The output side (logprob entries, stop
+strings, first-token times, EngineOutputs) is ``paged_jax.output_processor``; features
+are components the core calls from one place each: parallel sampling
+(``paged_jax.parallel_sampling``: a parent's samples forked after one prefill),
+structured outputs (``paged_jax.structured_outputs.StructuredOutputs``: a bitmask per
+step) and speculative decoding (``paged_jax.spec_decode.speculator``: proposals in,
+verified tokens out). The core also owns forks (``fork_request``); one lock serialises
+the public calls of several threads.
 """
 
 from __future__ import annotations
@@ -16,10 +21,8 @@ import dataclasses
 import functools
 import operator
 import os
-import statistics
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,25 +31,25 @@ import numpy as np
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.request import Request, RequestStatus
+from paged_jax.core.request import Request, RequestStatus, fork_child
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
-from paged_jax.distributed import LockstepGuard, num_processes, schedule_digest
+from paged_jax.distributed import LockstepGuard, lockstep_parts, num_processes, schedule_digest
+from paged_jax.engine_types import (
+    GRAMMAR_REFUSED_ERROR,
+    HOST_PHASES,
+    NONFINITE_LOGITS_ERROR,
+    InFlightStep,
+)
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
-from paged_jax.outputs import EngineOutput, LogprobEntry, RankEntry, logprob_entry
-from paged_jax.parallel_sampling import CARRIER_PARAMS, ParallelSampleRequest
+from paged_jax.output_processor import OutputProcessor
+from paged_jax.outputs import EngineOutput
+from paged_jax.parallel_sampling import ParallelSampleRequest, ParallelSampling
 from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.spec_decode.proposer import (
-    Proposal,
-    ProposalBatch,
-    ProposalSampling,
-    Proposer,
-    ProposerContext,
-    build_proposer,
-    check_proposal,
-)
-from paged_jax.structured_outputs import GrammarCompiler, Matcher
+from paged_jax.spec_decode.proposer import Proposer, ProposerContext, build_proposer
+from paged_jax.spec_decode.speculator import Speculator
+from paged_jax.structured_outputs import StructuredOutputs
 from paged_jax.worker.executable_cache import (
     ExecutableCache,
     WarmupReport,
@@ -55,35 +58,11 @@ from paged_jax.worker.executable_cache import (
 )
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner
-from paged_jax.worker.step_input import StepInput
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
 
 _req_id_of = operator.attrgetter("req_id")
 _samples_of = operator.attrgetter("samples")
-
-FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
-}
-
-# EngineOutput.error of a constrained request whose sampled token its grammar refused.
-GRAMMAR_REFUSED_ERROR = (
-    "the sampled token {token} is not allowed by the request's structured_outputs "
-    "constraint (its grammar refused it)"
-)
-
-# The parts of a step() call's host time that get_stats()["host_phase_time_ms"] reports.
-HOST_PHASES = ("schedule", "prepare", "dispatch", "process_outputs")
-
-# EngineOutput.error of a request whose logits held a NaN or an infinity.
-NONFINITE_LOGITS_ERROR = (
-    "the model's logits for this request are not finite (NaN or Inf): likely NaN/Inf "
-    "weights in the checkpoint or a bad config value such as rms_norm_eps <= 0 or "
-    "rope_theta <= 0"
-)
 
 
 def _serialised(method):
@@ -97,106 +76,19 @@ def _serialised(method):
     return locked
 
 
-@dataclasses.dataclass
-class InFlightStep:
-    """A dispatched device step and what reading its tokens needs.
-
-    requests holds the Request objects scheduled (by position in out.scheduled), so a
-    token is dropped when its request ended, even if a new request reuses the id.
-    cached holds the blocks hashed when the step was scheduled: their KV exists once
-    the step completes, so they lose their hashes if it fails. prompt holds, per
-    PromptLogprobs the step computes positions of, those positions (ascending), in the
-    order of the step's prompt rows (StepResult.prompt_logprobs).
-    """
-
-    out: SchedulerOutput
-    requests: list[Request]
-    pending: PendingStep
-    cached: list[KVCacheBlock] = dataclasses.field(default_factory=list)
-    prompt: list[tuple[PromptLogprobs, range]] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def launch(
-        cls,
-        out: SchedulerOutput,
-        live: dict[str, Request],
-        pending: PendingStep,
-        cached: list[KVCacheBlock] | None = None,
-        prompt: list[tuple[PromptLogprobs, range]] | None = None,
-    ) -> InFlightStep:
-        requests = out.scheduled_requests
-        if len(requests) != len(out.scheduled):  # an output built by hand
-            requests = [live[seq.req_id] for seq in out.scheduled]
-        return cls(out, requests, pending, cached or [], prompt or [])
-
-
-@dataclasses.dataclass
-class _ReqState:
-    """The engine's side of one live request: sampling settings and what it returns.
-
-    ``prompt`` collects the prompt logprobs this request computes (shared by a
-    parallel-sampling parent's carrier and fallback samples); ``owns_prompt`` says its
-    own output reports them (a plain request), not its parent's.
-    """
-
-    params: SamplingParams
-    seed: int
-    logprobs: list[LogprobEntry] | None
-    logprob_ranks: list[RankEntry] | None = None
-    first_token_time: float | None = None
-    stop_reason: str | int | None = None
-    prompt: PromptLogprobs | None = None
-    owns_prompt: bool = False
-
-
-class _StepTimes:
-    """Host timings of the step() calls since the last reset, one value per call.
-
-    ``wall`` and ``host`` (wall less the wait for device tokens) are perf_counter
-    seconds; the phases are in the engine's ``phase_clock`` seconds. Arrays of doubles
-    keep a long run's record compact.
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.wall = array("d")
-        self.host = array("d")
-        self.phases = {name: array("d") for name in HOST_PHASES}
-
-    def record(self, wall: float, wait: float, *phases: float) -> None:
-        self.wall.append(wall)
-        self.host.append(wall - wait)
-        for name, seconds in zip(HOST_PHASES, phases):
-            self.phases[name].append(seconds)
-
-    def summary(self) -> dict[str, Any]:
-        """Medians per step (ms), the host time's minimum and total (ms)."""
-
-        def median_ms(values: array) -> float:
-            return 1e3 * statistics.median(values) if values else 0.0
-
-        host = self.host
-        return {
-            "step_time_ms": median_ms(self.wall),
-            # Host work per step call: the call's wall time less the wait for device tokens.
-            "host_time_ms": median_ms(host),
-            "host_time_min_ms": 1e3 * min(host) if host else 0.0,
-            "host_time_total_ms": 1e3 * sum(host),
-            "host_phase_time_ms": {name: median_ms(v) for name, v in self.phases.items()},
-        }
-
-
-def lockstep_parts(out: SchedulerOutput) -> tuple:
-    """What a step's schedule decides, for the processes' lockstep checksum."""
-    return (
-        out.scheduled,
-        [row.req_id for row in out.new_rows],
-        sorted(out.new_block_ids.items()),
-        out.preempted_req_ids,
-        out.block_copies,
-    )
+def in_flight_step(
+    out: SchedulerOutput,
+    live: dict[str, Request],
+    pending: PendingStep,
+    cached: list[KVCacheBlock],
+    prompt: list[tuple[PromptLogprobs, range]] | None,
+) -> InFlightStep:
+    """The InFlightStep of a step just dispatched (its requests by position in
+    out.scheduled)."""
+    requests = out.scheduled_requests
+    if len(requests) != len(out.scheduled):  # an output built by hand
+        requests = [live[seq.req_id] for seq in out.scheduled]
+    return InFlightStep(out, requests, pending, cached, prompt or [])
 
 
 class Engine:
@@ -226,6 +118,10 @@ class Engine:
             ["host_phase_time_ms"]`` are timed with; ``time.perf_counter`` (wall) by
             default. A benchmark on a shared machine sets ``time.thread_time`` to count
             only the engine thread's CPU time.
+        scheduler, kv_cache_manager, input_batch, runner: the core's parts.
+        output: the OutputProcessor (per-request output state, step metrics).
+        parallel_sampling, structured, speculator: the feature components (the last
+            None without EngineConfig.speculative_config).
 
     Threads: the calls that read or change requests (add_request, fork_request,
     abort_request, get_logprobs, step, warmup, get_stats, reset_peak_stats) hold one
@@ -264,7 +160,7 @@ class Engine:
         self.model_config = mcfg
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
-        self.detokenize = detokenize
+        self.output = OutputProcessor(detokenize)
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
@@ -308,51 +204,44 @@ class Engine:
         # Start recording the blocks each schedule hashes (InFlightStep.cached).
         self.kv_cache_manager.take_newly_cached_blocks()
         self.input_batch = InputBatch(config, kv_cache_groups=groups)
-        self._blocks_per_request_peak = 0
-        # Requests whose block count may have grown since a decode step last measured it.
-        self._peak_dirty: set[str] = set()
+        # The components: each is called from one place in the step.
+        self.parallel_sampling = ParallelSampling(
+            self._queue_part, self._fork_sample, self._abort, self._seeds_has
+        )
+        self.structured = StructuredOutputs(tokenizer, self.vocab_size)
+        self.speculator: Speculator | None = None
+        if self.proposer is not None:
+            self.speculator = Speculator(
+                self.proposer,
+                config.speculative_config.method,
+                config.num_speculative_tokens,
+                self.scheduler,
+                self.kv_cache_manager,
+                self.input_batch,
+                self.runner,
+            )
+        # Live requests (plain ones; a parallel-sampling parent's parts) -> their seeds.
+        self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng(config.seed)
-        self._states: dict[str, _ReqState] = {}
-        # Per-step shortcuts over _states: live requests still waiting for their first
-        # token, with stop strings, and how many want logprobs (0: the device step's
-        # logprob outputs are never copied to the host).
-        self._awaiting_first_token: set[str] = set()
-        self._stop_string_ids: set[str] = set()
-        self._num_logprobs_live = 0
-        # Parallel sampling: live parents by id; every id a parent uses (its carrier and
-        # samples) -> the parent; carriers whose samples are not forked yet.
-        self._parents: dict[str, ParallelSampleRequest] = {}
-        self._parent_of: dict[str, ParallelSampleRequest] = {}
-        self._prefilling: dict[str, ParallelSampleRequest] = {}
-        self._times = _StepTimes()
         self._in_flight: InFlightStep | None = None
         # Outputs of requests that ended in a step() that then raised: the next step()
         # returns them.
         self._undelivered: list[EngineOutput] = []
         self._synchronous = False
         self._num_steps = 0
-        self._usage_peak = 0.0
-        self._num_cached_tokens: dict[str, int] = {}
-        # Live requests that compute prompt logprobs, and the parents asking for them.
-        self._prompt_logprobs: dict[str, PromptLogprobs] = {}
-        self._parent_prompt_logprobs: dict[str, PromptLogprobs] = {}
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
         self._compiles_at_start = self._num_compiles()
         self._compiles_after_warmup: int | None = None
-        # Structured outputs: the compiler (built on the first constrained request) and
-        # the matcher of every live constrained request.
-        self._tokenizer = tokenizer
-        self._grammar_compiler: GrammarCompiler | None = None
-        self._matchers: dict[str, Matcher] = {}
-        # Speculative decoding: the step the proposer reads next, and the counters.
-        k = config.num_speculative_tokens
-        self._spec_k = k
-        self._spec_num_drafts = 0  # sequence-steps that verified at least one draft
-        self._spec_draft_tokens = 0
-        self._spec_accepted_tokens = 0
-        self._spec_drafted_at = np.zeros(k, np.int64)  # drafts proposed at position j
-        self._spec_accepted_at = np.zeros(k, np.int64)  # ... and accepted there
-        self._last_accepted: dict[str, int] = {}  # drafts each row accepted last step
+
+    @property
+    def detokenize(self) -> Callable[[Sequence[int]], str] | None:
+        """The token ids -> text function stop strings are matched with (the output
+        processor's); None: stop strings never match."""
+        return self.output.detokenize
+
+    @detokenize.setter
+    def detokenize(self, value: Callable[[Sequence[int]], str] | None) -> None:
+        self.output.detokenize = value
 
     # ------------------------------------------------------------ requests
     @_serialised
@@ -424,9 +313,10 @@ class Engine:
             req.skip_reading_prefix_cache = True
             prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
         if params.structured_outputs is not None:
-            self._new_matcher(params)  # a bad constraint raises here, naming its field
-        if params.n > 1:
-            self._add_parent(req, prompt)
+            # A bad constraint raises here, naming its field.
+            self.structured.new_matcher(params, self.eos_token_ids)
+        if params.n > 1:  # a parent: its carrier, or its samples
+            self.parallel_sampling.add(req, prompt, self._id_taken)
             return
         self._register(request_id, params, prompt, owns_prompt=True)
         self.scheduler.add_request(req)
@@ -477,11 +367,12 @@ class Engine:
         self._fork(parent, child_id, prompt_token_ids, output_token_ids, sampling_params)
 
     @_serialised
+    @_serialised
     def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
         """The live request's logprobs so far (one dict per sampled token), or None."""
-        if request_id not in self._states:
+        if request_id not in self._seeds:
             raise ValueError(f"request_id={request_id!r} must name a live request")
-        return self._states[request_id].logprobs
+        return self.output.states[request_id].logprobs
 
     @_serialised
     def abort_request(self, request_id: str) -> EngineOutput:
@@ -491,17 +382,18 @@ class Engine:
         it; its output keeps the samples that had finished. Its samples cannot be
         aborted one by one.
         """
-        if self._parents:
-            parent = self._parents.get(request_id)
+        sampling = self.parallel_sampling
+        if sampling.parents:
+            parent = sampling.parents.get(request_id)
             if parent is not None:
-                return self._abort_parent(parent)
-            owner = self._parent_of.get(request_id)
+                return sampling.abort_parent(parent)
+            owner = sampling.parent_of.get(request_id)
             if owner is not None:
                 raise ValueError(
                     f"request_id={request_id!r} must name a live request, not a part of the "
                     f"parallel-sampling request {owner.request_id!r} (abort that one)"
                 )
-        if request_id not in self._states:
+        if request_id not in self._seeds:
             raise ValueError(f"request_id={request_id!r} must name a live request")
         return self._abort(request_id)
 
@@ -510,7 +402,7 @@ class Engine:
 
         A parallel-sampling parent is live until its last sample finishes.
         """
-        return request_id in self._states or request_id in self._parents
+        return request_id in self._seeds or request_id in self.parallel_sampling.parents
 
     def get_request(self, request_id: str) -> Request | None:
         """The scheduler's Request of a live request (status, tokens), or None.
@@ -541,40 +433,14 @@ class Engine:
     # ------------------------------------------------------------ request state
     def _id_taken(self, request_id: str) -> bool:
         """True when a live request (or a live parent, for one of its ids) holds the id."""
-        if request_id in self._states:
+        if request_id in self._seeds:
             return True
-        return bool(self._parents) and (
-            request_id in self._parents or request_id in self._parent_of
-        )
+        sampling = self.parallel_sampling
+        return bool(sampling.parents) and sampling.holds(request_id)
 
-    def _grammars(self) -> GrammarCompiler:
-        """The engine's GrammarCompiler, built on first use; ValueError without a tokenizer."""
-        if self._grammar_compiler is None:
-            if self._tokenizer is None:
-                raise ValueError(
-                    "SamplingParams.structured_outputs needs the checkpoint's tokenizer: "
-                    "pass Engine(tokenizer=...) (LLM does when it has one)"
-                )
-            self._grammar_compiler = GrammarCompiler(
-                self._tokenizer, eos_token_ids=self.eos_token_ids, vocab_size=self.vocab_size
-            )
-        return self._grammar_compiler
-
-    def _new_matcher(self, params: SamplingParams, output_token_ids: Sequence[int] = ()) -> Matcher:
-        """A matcher for params.structured_outputs past ``output_token_ids``.
-
-        Raises:
-            ValueError: the constraint does not compile (naming the field), or the grammar
-                refuses one of the tokens.
-        """
-        matcher = self._grammars().matcher(params.structured_outputs)
-        if output_token_ids and not matcher.replay(output_token_ids):
-            raise ValueError(
-                f"output_token_ids={list(output_token_ids)!r} must be allowed by "
-                "SamplingParams.structured_outputs: its grammar refuses token "
-                f"{int(output_token_ids[matcher.num_accepted])}"
-            )
-        return matcher
+    def _seeds_has(self, request_id: str) -> bool:
+        """True while a plain live request (not a parent) holds the id."""
+        return request_id in self._seeds
 
     def _register(
         self,
@@ -583,41 +449,24 @@ class Engine:
         prompt: PromptLogprobs | None = None,
         *,
         owns_prompt: bool = False,
-        matcher: Matcher | None = None,
+        matcher: Any = None,
     ) -> None:
-        """Creates a request's engine state; ``prompt`` collects the prompt logprobs it
-        computes (its own output reports them when ``owns_prompt``). A constrained request
-        gets ``matcher`` or a new one at its grammar's start."""
+        """Starts a live request's state: its grammar (``matcher`` or a new one at the
+        start, for a constrained request), its seed, its output state (``prompt``
+        collects the prompt logprobs it computes; its own output reports them when
+        ``owns_prompt``)."""
         if params.structured_outputs is not None:
-            self._matchers[request_id] = matcher or self._new_matcher(params)
+            self.structured.add_request(request_id, params, self.eos_token_ids, matcher)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
-        wants = params.logprobs is not None
-        self._states[request_id] = _ReqState(
-            params,
-            seed,
-            [] if wants else None,
-            [] if wants else None,
-            prompt=prompt,
-            owns_prompt=owns_prompt,
-        )
-        self._awaiting_first_token.add(request_id)
-        if params.stop:
-            self._stop_string_ids.add(request_id)
-        if wants:
-            self._num_logprobs_live += 1
-        if prompt is not None:
-            self._prompt_logprobs[request_id] = prompt
+        self._seeds[request_id] = seed
+        self.output.add_request(request_id, params, prompt, owns_prompt=owns_prompt)
 
-    def _unregister(self, request_id: str) -> _ReqState:
-        """Drops a request's engine state (the inverse of _register)."""
-        st = self._states.pop(request_id)
-        self._matchers.pop(request_id, None)
-        self._awaiting_first_token.discard(request_id)
-        self._stop_string_ids.discard(request_id)
-        self._prompt_logprobs.pop(request_id, None)
-        if st.logprobs is not None:
-            self._num_logprobs_live -= 1
-        return st
+    def _unregister(self, request_id: str) -> None:
+        """Drops a request's state (the inverse of _register)."""
+        del self._seeds[request_id]
+        if self.structured.matchers:
+            self.structured.remove_request(request_id)
+        self.output.remove_request(request_id)
 
     def _fork(
         self,
@@ -631,52 +480,16 @@ class Engine:
         params = sampling_params if sampling_params is not None else parent.sampling_params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
-        if prompt_token_ids is None:
-            child = parent.fork(child_id, output_token_ids, sampling_params=params)
-        else:
-            child = Request(
-                child_id,
-                prompt_token_ids,
-                params,
-                cache_salt=parent.cache_salt,
-                priority=parent.priority,
-                arrival_time=parent.arrival_time,
-            )
-            if output_token_ids:
-                child.append_output_token_ids(list(output_token_ids))
-        bad = [t for t in child.all_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"token id {bad[0]!r} of child {child_id!r} must be < vocab_size={self.vocab_size}"
-            )
-        if child.num_tokens > self.config.max_model_len:
-            raise ValueError(
-                f"child {child_id!r} has {child.num_tokens} tokens; must be <= max_model_len="
-                f"{self.config.max_model_len}"
-            )
-        common = 0
-        limit = min(parent.num_computed_tokens, child.num_tokens - 1)
-        mine, theirs = parent.all_token_ids, child.all_token_ids
-        if prompt_token_ids is None:
-            common = parent.num_prompt_tokens  # same prompt: compare the outputs only
-        while common < limit and mine[common] == theirs[common]:
-            common += 1
-        common = min(common, limit)
-        if common <= 0:
-            raise ValueError(
-                f"child {child_id!r} must share at least one computed token with "
-                f"{parent.request_id!r}"
-            )
-        matcher = None
-        if params.structured_outputs is not None:
-            source = self._matchers.get(parent.request_id)
-            same = (
-                source is not None
-                and parent.sampling_params.structured_outputs == params.structured_outputs
-                and source.accepted_token_ids == tuple(child.output_token_ids)
-            )
-            # A copy of the parent's state when it is the child's, else a replay.
-            matcher = source.copy() if same else self._new_matcher(params, child.output_token_ids)
+        child, common = fork_child(
+            parent,
+            child_id,
+            prompt_token_ids,
+            output_token_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.config.max_model_len,
+        )
+        matcher = self.structured.fork_matcher(parent, child, params, self.eos_token_ids)
         self._register(child_id, params, matcher=matcher)
         try:
             self.scheduler.fork_request(parent.request_id, child, num_tokens=common)
@@ -689,54 +502,28 @@ class Engine:
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return self._finish(req)
 
+    def _finish(self, req: Request) -> EngineOutput:
+        """The EngineOutput of a request the scheduler has ended; forgets its state."""
+        rid = req.request_id
+        del self._seeds[rid]
+        if self.structured.matchers:
+            self.structured.remove_request(rid)
+        self.runner.drop_swapped(rid)
+        return self.output.finish(req, self.scheduler.errors.pop(rid, None))
+
     # ------------------------------------------------------------ parallel sampling
-    def _add_parent(self, req: Request, prompt: PromptLogprobs | None) -> None:
-        """Queues an n > 1 request (validated as ``req``): its carrier, or its samples.
-
-        ``prompt`` collects the parent's prompt logprobs, computed by its carrier (or by
-        samples that fell back to plain requests before the carrier finished them).
-        """
-        parent = ParallelSampleRequest(
-            req.request_id,
-            req.prompt_token_ids,
-            req.sampling_params,
-            req.arrival_time,
-            priority=req.priority,
-            cache_salt=req.cache_salt,
-        )
-        for rid in parent.request_ids:
-            if self._id_taken(rid):
-                raise ValueError(
-                    f"request_id={req.request_id!r} must leave {rid!r} free for its "
-                    "samples; a live request holds it"
-                )
-        self._parents[parent.request_id] = parent
-        for rid in parent.request_ids:
-            self._parent_of[rid] = parent
-        if prompt is not None:
-            self._parent_prompt_logprobs[parent.request_id] = prompt
-        if parent.carrier_id is None:  # a one-token prompt has nothing to prefill first
-            for sample_id, params in parent.samples:
-                self._add_part(parent, sample_id, parent.prompt_token_ids, params, req.arrival_time)
-        else:
-            self._add_part(
-                parent, parent.carrier_id, parent.carrier_prompt, CARRIER_PARAMS, req.arrival_time
-            )
-            self._prefilling[parent.carrier_id] = parent
-
-    def _add_part(
+    def _queue_part(
         self,
-        parent: ParallelSampleRequest,
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        parent: ParallelSampleRequest,
         arrival_time: float | None,
+        prompt: PromptLogprobs | None,
     ) -> None:
         """Queues a parent's carrier or one of its samples as a plain request (computing
-        the parent's prompt logprobs while they are incomplete)."""
-        prompt = self._parent_prompt_logprobs.get(parent.request_id)
-        computes = prompt is not None and not prompt.complete
-        self._register(request_id, params, prompt if computes else None)
+        the parent's prompt logprobs into ``prompt`` when given)."""
+        self._register(request_id, params, prompt)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -745,72 +532,15 @@ class Engine:
                 cache_salt=parent.cache_salt,
                 priority=parent.priority,
                 arrival_time=arrival_time,
-                skip_reading_prefix_cache=computes,
+                skip_reading_prefix_cache=prompt is not None,
             )
         )
 
-    def _fork_prefilled_samples(self) -> None:
-        """Forks the samples of every parent whose carrier's first token was just read.
-
-        A carrier that is not running (still queued, preempted, or ended) or a fork the
-        batch has no room for falls back to plain requests of the whole prompt, which
-        still find the prompt's full blocks in the prefix cache.
-        """
-        for carrier_id, parent in list(self._prefilling.items()):
-            req = self.scheduler.requests.get(carrier_id)
-            alive = req is not None and req.status == RequestStatus.RUNNING
-            if alive and req.num_output_tokens < 1:
-                continue  # still prefilling
-            for sample_id, params in parent.samples:
-                try:
-                    if not alive:
-                        raise ValueError("the carrier is not running")
-                    self._fork(req, sample_id, parent.prompt_token_ids, None, params)
-                except ValueError:
-                    # A fallback sample arrives now: it joins the queue behind what came since.
-                    self._add_part(parent, sample_id, parent.prompt_token_ids, params, None)
-            if carrier_id in self._states:
-                self._abort(carrier_id)  # its output is the parent's business: dropped
-            del self._prefilling[carrier_id]
-
-    def _gather_samples(self, finished: list[EngineOutput]) -> list[EngineOutput]:
-        """Keeps finished samples in their parents; a parent's output replaces its last one.
-
-        A carrier's own output (it ended before its samples were forked) is dropped:
-        ``_fork_prefilled_samples`` then queued the samples as plain requests.
-        """
-        out = []
-        for o in finished:
-            parent = self._parent_of.get(o.request_id)
-            if parent is None:
-                out.append(o)
-            elif o.request_id != parent.carrier_id:
-                parent.record(o)
-                if parent.done:
-                    out.append(self._release_parent(parent))
-        return out
-
-    def _abort_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
-        carrier_id = parent.carrier_id
-        if carrier_id is not None:
-            self._prefilling.pop(carrier_id, None)
-            if carrier_id in self._states:
-                self._abort(carrier_id)
-        for sample_id in parent.unfinished_sample_ids():
-            if sample_id in self._states:
-                parent.record(self._abort(sample_id))
-        return self._release_parent(parent)
-
-    def _release_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
-        """Forgets a parent whose samples all ended; returns its output."""
-        del self._parents[parent.request_id]
-        for rid in parent.request_ids:
-            del self._parent_of[rid]
-        out = parent.output(time.time())
-        prompt = self._parent_prompt_logprobs.pop(parent.request_id, None)
-        if prompt is not None:
-            out.prompt_logprobs, out.prompt_logprob_ranks = prompt.output()
-        return out
+    def _fork_sample(
+        self, carrier: Request, sample_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Forks a sample from its prefilled carrier (ValueError when it cannot)."""
+        self._fork(carrier, sample_id, prompt_token_ids, None, params)
 
     # ------------------------------------------------------------ step
     @_serialised
@@ -840,11 +570,13 @@ class Engine:
         synchronous engine's; a step() that finds an async step in flight then only reads
         that one.
         """
-        if self._matchers and self._in_flight is not None:
+        matchers = self.structured.matchers
+        if matchers and self._in_flight is not None:
             return self._read_in_flight()
         t0 = time.perf_counter()
         clock = self.phase_clock
         sched = self.scheduler
+        output = self.output
         c0 = clock()
         out = sched.schedule()
         schedule_s = clock() - c0
@@ -862,33 +594,32 @@ class Engine:
             if guard is not None and guard.due(self._num_steps, bool(out.new_rows)):
                 guard.check(self._num_steps, schedule_digest(lockstep_parts(out)))
             self._apply_to_device_state(out)
-            self._usage_peak = max(self._usage_peak, self.kv_cache_manager.usage)
+            output.peaks.record(out, self.kv_cache_manager, sched.requests)
             assert out.scheduled or not out.block_copies, "a block copied for nothing scheduled"
             if out.scheduled:
-                self._record_blocks_per_request(out)
                 c0 = clock()
                 batch = self.input_batch
                 for req_id, drafts in out.spec_token_ids.items():
                     batch.set_draft_tokens(req_id, drafts)
                 step = batch.prepare(out.scheduled, out.block_copies, out.spec_token_ids)
-                if self._matchers:
-                    step = self._with_grammar_bitmask(step, out)
+                if matchers:
+                    step = self.structured.bitmask(step, out.scheduled, self.runner.bitmask_width)
                 rows = targets = prompt = None
-                if self._prompt_logprobs:  # nothing to do for the steps of other requests
-                    rows, targets, prompt = self._prompt_rows(out.scheduled)
+                if output.prompt_logprobs:  # nothing to do for the steps of other requests
+                    rows, targets, prompt = output.prompt_rows(out.scheduled)
                 c1 = clock()
                 pending = self.runner.dispatch(
                     step,
-                    with_logprobs=self._num_logprobs_live > 0,
+                    with_logprobs=output.num_logprobs_live > 0,
                     prompt_rows=rows,
                     prompt_targets=targets,
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                launched = InFlightStep.launch(out, sched.requests, pending, cached, prompt)
+                launched = in_flight_step(out, sched.requests, pending, cached, prompt)
                 self._num_steps += 1
             ready = launched
-            if self.config.async_scheduling and not self._synchronous and not self._matchers:
+            if self.config.async_scheduling and not self._synchronous and not matchers:
                 ready, self._in_flight = previous, launched
             wait_s = process_s = 0.0
             if ready is not None:
@@ -897,20 +628,17 @@ class Engine:
                 wait_s = time.perf_counter() - t_wait
                 c0 = clock()
                 finished += self._process_outputs(ready, result)
-                if self.proposer is not None:
-                    self._propose(step)
+                if self.speculator is not None:
+                    self.speculator.propose(step, matchers)
                 process_s = clock() - c0
         except BaseException:
             self.scheduler.spec_token_ids = {}
             self._roll_back(out, cached, previous, finished)
             raise
-        if self._prefilling:
-            self._fork_prefilled_samples()
-        if self._parent_of:
-            finished = self._gather_samples(finished)
+        finished = self._after_outputs(finished)
         step_s = time.perf_counter() - t0
         if launched is not None or ready is not None:
-            self._times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
+            output.times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
 
     def _read_in_flight(self) -> list[EngineOutput]:
@@ -922,76 +650,18 @@ class Engine:
         except BaseException:
             self._roll_back(SchedulerOutput(), [], previous, finished)
             raise
-        if self._prefilling:
-            self._fork_prefilled_samples()
-        if self._parent_of:
-            finished = self._gather_samples(finished)
+        return self._after_outputs(finished)
+
+    def _after_outputs(self, finished: list[EngineOutput]) -> list[EngineOutput]:
+        """Parallel sampling after a step's tokens: parents whose prompt was just
+        prefilled get their samples forked; finished samples are gathered into their
+        parent, which is returned once, when its last sample finishes."""
+        sampling = self.parallel_sampling
+        if sampling.prefilling:
+            sampling.fork_prefilled(self.scheduler.requests)
+        if sampling.parent_of:
+            finished = sampling.gather(finished)
         return finished
-
-    def _propose(self, step: StepInput) -> None:
-        """Asks the proposer for the drafts the next step verifies (after this step's
-        tokens are applied): every running request with exactly one token to compute
-        and an input-batch row, constrained requests (structured outputs) excepted."""
-        sched = self.scheduler
-        if sched.trimmed_req_ids:  # rejected drafts' blocks went back: shorten the rows
-            batch = self.input_batch
-            for req_id in sched.trimmed_req_ids:
-                if req_id in batch.row_of:
-                    ids = self.kv_cache_manager.get_block_ids_per_group(req_id)
-                    batch.truncate_block_ids(req_id, [len(g) for g in ids])
-            sched.trimmed_req_ids = []
-        row_of = self.input_batch.row_of
-        reqs = [
-            r
-            for r in sched.running
-            if r.num_tokens - r.num_computed_tokens == 1
-            and r.request_id in row_of
-            and r.request_id not in self._matchers
-        ]
-        # Called with no proposing request too: a draft model still writes its KV for
-        # the step's tokens (prefill chunks), or its later proposals miss them.
-        batch = self.input_batch
-        rows = np.fromiter((row_of[r.request_id] for r in reqs), np.int32, len(reqs))
-        proposal_batch = ProposalBatch(
-            step_input=step,
-            req_ids=[r.request_id for r in reqs],
-            rows=rows,
-            token_ids=[r.all_token_ids for r in reqs],
-            next_token_ids=np.array([r.all_token_ids[-1] for r in reqs], np.int32),
-            next_positions=np.array([r.num_tokens - 1 for r in reqs], np.int32),
-            num_accepted=np.array(
-                [self._last_accepted.get(r.request_id, 0) for r in reqs], np.int32
-            ),
-            block_ids=[self.kv_cache_manager.get_block_ids_per_group(r) for r in reqs],
-            sampling=ProposalSampling(
-                temperature=batch.temperature[rows],
-                top_k=batch.top_k[rows],
-                top_p=batch.top_p[rows],
-                min_p=batch.min_p[rows],
-                seeds=batch.seeds[rows],
-                counters=np.array([r.num_output_tokens for r in reqs], np.int32),
-            ),
-        )
-        proposal: Proposal = self.proposer.propose(proposal_batch)
-        check_proposal(proposal, len(reqs), self._spec_k)
-        if proposal.draft_probs is not None:
-            self.runner.draft_probs = proposal.draft_probs
-        counts = proposal.num_tokens.tolist()
-        ids = proposal.token_ids.tolist()
-        sched.spec_token_ids = {
-            r.request_id: ids[i][: counts[i]] for i, r in enumerate(reqs) if counts[i]
-        }
-
-    def _with_grammar_bitmask(self, step: StepInput, out: SchedulerOutput) -> StepInput:
-        """The step with its constrained rows' allowed-token bitmask (unchanged when no row
-        that samples is constrained: the runner then passes its resident all-ones one)."""
-        matchers = self._matchers
-        rows = [matchers.get(seq.req_id) if seq.samples else None for seq in out.scheduled]
-        if not any(rows):
-            return step
-        words = np.empty((step.bucket[1], self.runner.bitmask_width), np.int32)
-        self._grammars().fill_bitmasks(rows, words)
-        return dataclasses.replace(step, sampling=step.sampling._replace(bitmask=words))
 
     def _roll_back(
         self,
@@ -1021,13 +691,10 @@ class Engine:
         touched += [live[rid] for rid, _ in out.swap_out if rid in live]
         for rid in sched.roll_back(touched):
             self.runner.drop_swapped(rid)
-        for req in touched:  # a grammar past tokens that were dropped starts over
-            m = self._matchers.get(req.request_id)
-            if m is not None and m.accepted_token_ids != tuple(req.output_token_ids):
-                m.replay(req.output_token_ids)
+        self.structured.replay(touched)  # a grammar past tokens that were dropped
         for req in touched:  # ended while its tokens were applied, not reported yet
             rid = req.request_id
-            if req.is_finished() and rid in self._states and live.get(rid) is not req:
+            if req.is_finished() and rid in self._seeds and live.get(rid) is not req:
                 finished.append(self._finish(req))
         batch = self.input_batch
         for rid in list(batch.row_of):  # nothing runs now: every row goes
@@ -1040,89 +707,49 @@ class Engine:
             kv.uncache_blocks(unconfirmed)
         self._undelivered.extend(finished)
 
-    def _prompt_rows(
-        self, seqs: Sequence[Any]
-    ) -> tuple[np.ndarray, np.ndarray, list[tuple[PromptLogprobs, range]]]:
-        """The step's token rows whose logprobs some PromptLogprobs still lacks.
+    def _process_outputs(self, step: InFlightStep, result: Any) -> list[EngineOutput]:
+        """Applies one finished device step's tokens; stops; returns the finished requests.
 
-        Returns (rows i32[N] in the packed step, the prompt token each is scored at
-        i32[N], per PromptLogprobs its positions in row order). Rows are packed in
-        scheduling order (InputBatch.prepare); positions already recorded are skipped.
+        The order: prompt logprobs filed; sampled (or emitted) tokens read, their
+        logprobs and first-token times recorded; speculative stop strings cut the
+        emitted lists; grammars accept; the scheduler appends the tokens and checks
+        token stops; then stops by string, errors (non-finite logits, a refused token)
+        and grammar ends; the input batch gets the tokens; finished requests go out.
         """
-        rows: list[int] = []
-        targets: list[int] = []
-        parts = []
-        start = 0
-        recorders = self._prompt_logprobs
-        for seq in seqs:
-            prompt = recorders.get(seq.req_id)
-            if prompt is not None:
-                first = seq.num_computed_tokens
-                wanted = prompt.wanted(max(first, len(prompt.logprobs)), first + seq.num_new_tokens)
-                if wanted:
-                    rows.extend(range(start + wanted.start - first, start + wanted.stop - first))
-                    targets.extend(prompt.prompt_token_ids[wanted.start + 1 : wanted.stop + 1])
-                    parts.append((prompt, wanted))
-            start += seq.num_new_tokens
-        return np.asarray(rows, np.int32), np.asarray(targets, np.int32), parts
-
-    def _record_prompt_logprobs(self, step: InFlightStep, result) -> None:
-        """Files a read step's prompt logprobs with the PromptLogprobs they belong to.
-
-        Kept even when the request has ended meanwhile: the values are the model's for
-        those positions, and a parallel-sampling parent's fallback samples may resume
-        from blocks its aborted carrier computed.
-        """
-        values = result.prompt_logprobs
-        i = 0
-        for prompt, positions in step.prompt:
-            j = i + len(positions)
-            prompt.add(
-                positions,
-                values.logprobs[i:j],
-                values.ranks[i:j],
-                values.top_token_ids[i:j],
-                values.top_logprobs[i:j],
-            )
-            i = j
-
-    def _process_outputs(self, step: InFlightStep, result) -> list[EngineOutput]:
-        """Append one finished device step's tokens; stops; returns the finished requests."""
+        output = self.output
         if step.prompt:  # before a request that finishes in this step reports them
-            self._record_prompt_logprobs(step, result)
+            output.record_prompt_logprobs(step, result)
         sched = self.scheduler
+        live_get = sched.requests.get
         spec = result.num_emitted is not None
         if spec:
-            sampled, broken = self._record_spec_samples(step, result)
-            string_stops = self._spec_string_stops(sampled)
+            sampled, broken = self.speculator.read(step, result, live_get)
+            output.record_emitted(step, result, sampled)
+            string_stops = output.cut_at_stop_strings(sampled, sched.requests)
         else:
-            sampled, broken = self._record_samples(step, result)
-        refused, grammar_done = self._accept_constrained(sampled) if self._matchers else ((), ())
+            sampled, broken = self._read_sampled(step, result)
+            output.record_sampled(step, result, sampled, live_get)
+        structured = self.structured
+        refused, grammar_done = (
+            structured.accept(sampled, sched.requests, self.eos_token_ids)
+            if structured.matchers
+            else ((), ())
+        )
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         live = sampled
         if done:
             done_ids = set()
             for req in done:
                 done_ids.add(req.request_id)
-                st = self._states[req.request_id]
-                token = sampled[req.request_id]
-                if spec:  # the last token appended is the one that stopped it
-                    token = req.output_token_ids[-1]
-                    if st.logprobs is not None:  # drop entries of tokens after the stop
-                        del st.logprobs[req.num_output_tokens :]
-                        del st.logprob_ranks[req.num_output_tokens :]
-                if (
-                    req.status == RequestStatus.FINISHED_STOPPED
-                    and token in st.params.stop_token_ids
-                ):
-                    st.stop_reason = token
+                output.ended_by_tokens(req, sampled[req.request_id])
             live = {k: v for k, v in sampled.items() if k not in done_ids}
+        stopped = RequestStatus.FINISHED_STOPPED
         if spec:
             for req_id, stop in string_stops.items():
                 if req_id in live:
                     req = sched.requests[req_id]
-                    sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
-                    self._states[req_id].stop_reason = stop
+                    sched.finish_request(req_id, stopped)
+                    output.set_stop_reason(req_id, stop)
                     live.pop(req_id)
                     done.append(req)
         for req in broken:  # its token is garbage: it ends here, the others go on
@@ -1139,7 +766,7 @@ class Engine:
         for req_id in grammar_done:  # EOS ended the grammar under ignore_eos: a stop
             req = sched.requests.get(req_id)
             if req is not None and not req.is_finished():
-                sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
+                sched.finish_request(req_id, stopped)
                 live.pop(req_id, None)
                 done.append(req)
         batch = self.input_batch
@@ -1155,16 +782,14 @@ class Engine:
             keep = [i for i, row in enumerate(rows) if row is not None]
             rows = [rows[i] for i in keep]
             tokens = [tokens[i] for i in keep]
-        stop_ids = self._stop_string_ids
-        if stop_ids and self.detokenize is not None:
+        stop_ids = output.stop_string_ids
+        if stop_ids and output.detokenize is not None:
             for req_id in live:
                 if req_id not in stop_ids:
                     continue
-                stop = self._stop_string_hit(req_id)
-                if stop is not None:
-                    req = sched.requests[req_id]
-                    sched.finish_request(req_id, RequestStatus.FINISHED_STOPPED)
-                    self._states[req_id].stop_reason = stop
+                req = sched.requests[req_id]
+                if output.stop_string_hit(req) is not None:
+                    sched.finish_request(req_id, stopped)
                     done.append(req)
         batch.append_sampled(rows, tokens)
         finished = []
@@ -1173,31 +798,6 @@ class Engine:
                 batch.remove_request(req.request_id)
             finished.append(self._finish(req))
         return finished
-
-    def _accept_constrained(
-        self, sampled: dict[str, int]
-    ) -> tuple[list[tuple[Request, int]], list[str]]:
-        """Advances each constrained request's matcher past its sampled token.
-
-        A refused token is taken out of ``sampled`` and its request returned (it ends
-        with an error); also returns the requests whose grammar EOS ended though they
-        ignore EOS.
-        """
-        refused, ended = [], []
-        eos = self.eos_token_ids
-        requests = self.scheduler.requests
-        for req_id, token in list(sampled.items()):
-            matcher = self._matchers.get(req_id)
-            if matcher is None:
-                continue
-            if type(token) is list:  # speculative engine: a constrained row has no drafts
-                token = token[0]
-            if not matcher.accept(token):
-                del sampled[req_id]
-                refused.append((requests[req_id], token))
-            elif token in eos and self._states[req_id].params.ignore_eos:
-                ended.append(req_id)
-        return refused, ended
 
     # ------------------------------------------------------------ helpers
     def _apply_to_device_state(self, out) -> None:
@@ -1213,22 +813,16 @@ class Engine:
         for req_id, block_ids in out.swap_out:
             self.runner.swap_out(req_id, block_ids)
         for row in out.new_rows:
-            st = self._states[row.req_id]
-            # The first admission's hit counts (a resume's hits are mostly its own blocks;
-            # a rolled-back request resumes unpreempted but keeps its first count).
-            cached = self._num_cached_tokens
-            if (
-                row.req_id not in cached
-                and self.scheduler.requests[row.req_id].num_preemptions == 0
-            ):
-                cached[row.req_id] = row.num_computed_tokens
+            req = self.scheduler.requests[row.req_id]
+            self.output.record_admission(req, row.num_computed_tokens)
+            params = req.sampling_params
             batch.add_request(
                 row.req_id,
                 row.token_ids,
                 row.block_ids,
-                st.params,
-                st.seed,
-                min_tokens_stop_ids=self._min_tokens_stop_ids(st.params),
+                params,
+                self._seeds[row.req_id],
+                min_tokens_stop_ids=self._min_tokens_stop_ids(params),
             )
         if out.new_block_ids:
             batch.append_new_block_ids(out.new_block_ids)
@@ -1237,11 +831,11 @@ class Engine:
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
 
-    def _record_samples(self, step: InFlightStep, result) -> tuple[dict[str, int], list[Request]]:
-        """req_id -> sampled token for sequences that reached their end; logprobs, TTFT.
-
-        Also returns the live requests whose logits were not finite (none sampled).
-        """
+    def _read_sampled(
+        self, step: InFlightStep, result: Any
+    ) -> tuple[dict[str, int], list[Request]]:
+        """req_id -> sampled token for sequences that reached their end, and the live
+        requests whose logits were not finite (none sampled)."""
         live_get = self.scheduler.requests.get
         token_ids = result.token_ids.tolist()
         # A prefill chunk that does not reach the end samples nothing (seq.samples is
@@ -1267,195 +861,12 @@ class Engine:
                 if live_get(req.request_id) is req:
                     broken.append(req)
                     sampled.pop(req.request_id, None)
-        if self._awaiting_first_token:
-            self._stamp_first_tokens(sampled)
-        if self._num_logprobs_live:
-            for i, seq in enumerate(step.out.scheduled):
-                if seq.req_id not in sampled or live_get(seq.req_id) is not step.requests[i]:
-                    continue
-                st = self._states[seq.req_id]
-                if st.logprobs is None:
-                    continue
-                k = st.params.logprobs
-                entry, ranks = logprob_entry(
-                    token_ids[i],
-                    float(result.logprobs[i]),
-                    int(result.ranks[i]),
-                    result.top_token_ids[i, :k].tolist(),
-                    result.top_logprobs[i, :k].tolist(),
-                )
-                st.logprobs.append(entry)
-                st.logprob_ranks.append(ranks)
         return sampled, broken
-
-    def _record_spec_samples(
-        self, step: InFlightStep, result
-    ) -> tuple[dict[str, list[int]], list[Request]]:
-        """_record_samples for a speculative step: req_id -> its emitted tokens (accepted
-        drafts, then the target's), their logprobs, and the acceptance counters.
-
-        A request with a non-finite position among its emitted ones keeps the tokens
-        emitted before the first such position (each was decided by finite logits at an
-        earlier position, so the plain engine emits them too) and is returned as broken:
-        it ends with an error unless those tokens stop it first.
-        """
-        live_get = self.scheduler.requests.get
-        spec_ids = step.out.spec_token_ids
-        emitted = result.num_emitted.tolist()
-        token_ids = result.token_ids
-        nonfinite = result.nonfinite
-        sampled: dict[str, list[int]] = {}
-        broken = []
-        self._last_accepted = {}
-        for i, (seq, req) in enumerate(zip(step.out.scheduled, step.requests)):
-            if not seq.samples or live_get(seq.req_id) is not req:
-                continue
-            e = emitted[i]
-            accepted = e - 1
-            if nonfinite is not None and nonfinite[i, :e].any():
-                broken.append(req)
-                e = accepted = int(np.argmax(nonfinite[i, :e]))  # the first bad position
-                if e == 0:
-                    continue
-            num_draft = len(spec_ids.get(seq.req_id, ()))
-            if num_draft:
-                self._spec_num_drafts += 1
-                self._spec_draft_tokens += num_draft
-                self._spec_accepted_tokens += accepted
-                self._spec_drafted_at[:num_draft] += 1
-                self._spec_accepted_at[:accepted] += 1
-                self._last_accepted[seq.req_id] = accepted
-            sampled[seq.req_id] = token_ids[i, :e].tolist()
-        if self._awaiting_first_token:
-            self._stamp_first_tokens(sampled)
-        if self._num_logprobs_live:
-            for i, seq in enumerate(step.out.scheduled):
-                tokens = sampled.get(seq.req_id)
-                st = self._states.get(seq.req_id)
-                if tokens is None or st is None or st.logprobs is None:
-                    continue
-                k = st.params.logprobs
-                for j, token in enumerate(tokens):
-                    entry, ranks = logprob_entry(
-                        token,
-                        float(result.logprobs[i, j]),
-                        int(result.ranks[i, j]),
-                        result.top_token_ids[i, j, :k].tolist(),
-                        result.top_logprobs[i, j, :k].tolist(),
-                    )
-                    st.logprobs.append(entry)
-                    st.logprob_ranks.append(ranks)
-        return sampled, broken
-
-    def _spec_string_stops(self, sampled: dict[str, list[int]]) -> dict[str, str]:
-        """Cuts each emitted list after the token that completes a stop string (in place);
-        returns req_id -> that stop string."""
-        stops = {}
-        if not self._stop_string_ids or self.detokenize is None:
-            return stops
-        requests = self.scheduler.requests
-        for req_id, tokens in sampled.items():
-            if req_id not in self._stop_string_ids:
-                continue
-            st = self._states[req_id]
-            req = requests[req_id]
-            tail = max(map(len, st.params.stop)) + 8
-            for j in range(len(tokens)):
-                if req.num_output_tokens + j + 1 < st.params.min_tokens:
-                    continue
-                text = self.detokenize((req.output_token_ids + tokens[: j + 1])[-tail:])
-                stop = next((x for x in st.params.stop if x in text), None)
-                if stop is not None:
-                    del tokens[j + 1 :]
-                    stops[req_id] = stop
-                    break
-        return stops
-
-    def _stamp_first_tokens(self, sampled: dict[str, Any]) -> None:
-        """Sets first_token_time of the requests in ``sampled`` that had no token yet."""
-        awaiting = self._awaiting_first_token
-        first = awaiting.intersection(sampled)
-        if first:
-            now = time.time()
-            for req_id in first:
-                self._states[req_id].first_token_time = now
-            awaiting -= first
-
-    def _record_blocks_per_request(self, out) -> None:
-        """Peak real blocks held by one request in a decode step (one generated token in).
-
-        A request's count only grows when it gets blocks (a new row, appended blocks),
-        so only those requests are measured, at their next decode step.
-        """
-        dirty = self._peak_dirty
-        for row in out.new_rows:
-            dirty.add(row.req_id)
-        dirty.update(out.new_block_ids)
-        if not dirty:
-            return
-        kv = self.kv_cache_manager
-        seqs = out.scheduled
-        requests = out.scheduled_requests
-        if len(requests) != len(seqs):
-            live = self.scheduler.requests
-            requests = [live[seq.req_id] for seq in seqs]
-        index = dict(zip(map(_req_id_of, seqs), range(len(seqs))))
-        live = self.scheduler.requests
-        for req_id in list(dirty):
-            if req_id not in live:
-                dirty.discard(req_id)  # finished (a reused id is a new row again)
-                continue
-            i = index.get(req_id)
-            if i is None:
-                continue
-            seq = seqs[i]
-            if seq.num_new_tokens == 1 and seq.num_computed_tokens >= requests[i].num_prompt_tokens:
-                dirty.discard(req_id)
-                held = kv.get_num_blocks_held(req_id)
-                if held > self._blocks_per_request_peak:
-                    self._blocks_per_request_peak = held
 
     def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
         if params.min_tokens == 0:
             return []
         return list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
-
-    def _stop_string_hit(self, req_id: str) -> str | None:
-        """The stop string that the request's output text now contains, if any."""
-        st = self._states[req_id]
-        if not st.params.stop or self.detokenize is None:
-            return None
-        req = self.scheduler.requests[req_id]
-        if req.num_output_tokens < st.params.min_tokens:
-            return None
-        # Only the tail can hold a new match: the longest stop string plus a few tokens.
-        tail = max(map(len, st.params.stop)) + 8
-        text = self.detokenize(req.output_token_ids[-tail:])
-        return next((s for s in st.params.stop if s in text), None)
-
-    def _finish(self, req: Request) -> EngineOutput:
-        st = self._unregister(req.request_id)
-        self.runner.drop_swapped(req.request_id)
-        prompt = ranks = None
-        if st.owns_prompt and st.prompt is not None:
-            prompt, ranks = st.prompt.output()
-        return EngineOutput(
-            request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            token_ids=list(req.output_token_ids),
-            finish_reason=FINISH_REASONS[req.status],
-            stop_reason=st.stop_reason,
-            error=self.scheduler.errors.pop(req.request_id, None),
-            logprobs=st.logprobs,
-            arrival_time=req.arrival_time,
-            first_token_time=st.first_token_time,
-            finish_time=time.time(),
-            num_cached_tokens=self._num_cached_tokens.pop(req.request_id, 0),
-            num_preemptions=req.num_preemptions,
-            logprob_ranks=st.logprob_ranks,
-            prompt_logprobs=prompt,
-            prompt_logprob_ranks=ranks,
-        )
 
     # ------------------------------------------------------------ warmup + stats
     @_serialised
@@ -1491,13 +902,11 @@ class Engine:
     @_serialised
     def reset_peak_stats(self) -> None:
         """Starts the peaks of get_stats() again from now (KV usage, blocks per request)."""
-        self._usage_peak = self.kv_cache_manager.usage
-        self._blocks_per_request_peak = 0
-        self._peak_dirty.update(self.scheduler.requests)  # measured at their next decode
+        self.output.peaks.reset(self.kv_cache_manager.usage, self.scheduler.requests)
 
     def reset_step_times(self) -> None:
         """Forgets the step timings, so get_stats()' times cover the steps from now on."""
-        self._times.reset()
+        self.output.times.reset()
 
     @_serialised
     def get_stats(self) -> dict[str, Any]:
@@ -1526,39 +935,16 @@ class Engine:
             "prefix_cache_hits": stats.hits,
             "prefix_cache_hit_rate": stats.hit_rate,
             "kv_cache_usage": self.kv_cache_manager.usage,
-            "kv_cache_usage_peak": self._usage_peak,
+            "kv_cache_usage_peak": self.output.peaks.usage,
             # Most KV blocks (all groups, nulls excluded) one request held in a decode step.
-            "kv_blocks_per_request_peak": self._blocks_per_request_peak,
+            "kv_blocks_per_request_peak": self.output.peaks.blocks_per_request,
             "num_kv_blocks": self.runner.num_kv_blocks,
             "num_compiles": total,
             "num_compiles_after_warmup": after,
-            **self._times.summary(),
+            **self.output.times.summary(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "tensor_parallel_size": self.config.tensor_parallel_size,
             **self.runner.memory_per_device(),
-            **self._spec_stats(),
-        }
-
-    def _spec_stats(self) -> dict[str, Any]:
-        """Speculative decoding's counters (empty without it)."""
-        if self.proposer is None:
-            return {}
-        drafted = self._spec_drafted_at
-        return {
-            "spec_method": self.config.speculative_config.method,
-            "spec_num_speculative_tokens": self._spec_k,
-            "spec_num_drafts": self._spec_num_drafts,
-            "spec_num_draft_tokens": self._spec_draft_tokens,
-            "spec_num_accepted_tokens": self._spec_accepted_tokens,
-            "spec_acceptance_rate": (
-                self._spec_accepted_tokens / self._spec_draft_tokens
-                if self._spec_draft_tokens
-                else 0.0
-            ),
-            # Of the sequence-steps that proposed a draft at position j, the share that
-            # accepted it.
-            "spec_acceptance_rate_per_position": [
-                float(a / d) if d else 0.0 for a, d in zip(self._spec_accepted_at, drafted)
-            ],
+            **({} if self.speculator is None else self.speculator.stats()),
         }

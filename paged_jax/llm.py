@@ -33,13 +33,8 @@ from paged_jax.distributed import broadcast_from_primary, is_primary, settings_f
 from paged_jax.distributed import initialize as initialize_distributed
 from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
-from paged_jax.outputs import (
-    CompletionOutput,
-    EngineOutput,
-    RequestMetrics,
-    RequestOutput,
-    logprob_objects,
-)
+from paged_jax.output_processor import request_output
+from paged_jax.outputs import EngineOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
@@ -549,7 +544,7 @@ class LLM:
             while pending:
                 for out in self._step_for(pending):
                     finished[out.request_id] = out
-                    completions = out.completions
+                    completions = out.samples or [out]  # EngineOutput.completions
                     num_out += sum(len(o.token_ids) for o in completions)
                     if bar is not None:
                         rate = num_out / max(time.perf_counter() - start, 1e-9)
@@ -574,37 +569,8 @@ class LLM:
     ) -> RequestOutput:
         """The RequestOutput of one finished request (``error`` set when every
         completion failed)."""
-        top = finished.pop(rid)
-        outs = top.completions
-        firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
         decode_token = self.decode_token if self.tokenizer is not None else None
-        completions = [
-            CompletionOutput.from_engine_output(j, o, params, self.decode, decode_token)
-            for j, o in enumerate(outs)
-        ]
-        prompt_logprobs = None
-        if top.prompt_logprobs is not None:
-            prompt_logprobs = logprob_objects(
-                top.prompt_logprobs, top.prompt_logprob_ranks, decode_token
-            )
-        errors = [c.error for c in completions if c.finish_reason == "error"]
-        error = (errors[0] or "request failed") if errors and len(errors) == len(outs) else None
-        return RequestOutput(
-            request_id=rid,
-            prompt=text,
-            prompt_token_ids=ids,
-            outputs=completions,
-            metrics=RequestMetrics(
-                arrival_time=min(o.arrival_time for o in outs),
-                first_token_time=min(firsts) if firsts else None,
-                finish_time=max(o.finish_time for o in outs),
-                num_prompt_tokens=len(ids),
-                num_generated_tokens=sum(len(o.token_ids) for o in outs),
-                num_cached_tokens=max(o.num_cached_tokens for o in outs),
-            ),
-            error=error,
-            prompt_logprobs=prompt_logprobs,
-        )
+        return request_output(rid, text, ids, finished.pop(rid), params, self.decode, decode_token)
 
     # ------------------------------------------------------------------ inputs
     @staticmethod

@@ -2,17 +2,14 @@
 
 The engine keeps logprobs cheap (``{token id: float}`` per position and a parallel list
 of ranks); ``RequestOutput`` and ``CompletionOutput`` carry vLLM's ``Logprob`` objects,
-built from those by ``logprob_objects``.
+built from those by ``paged_jax.output_processor``. Data types (and the one-position
+``logprob_entry``) only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from paged_jax.sampling_params import SamplingParams
+from collections.abc import Sequence
 
 # One position's logprobs as the engine keeps them: {token id: logprob}, the chosen
 # (sampled or prompt) token first, then the top ones; and the rank of each, in that order.
@@ -59,38 +56,6 @@ def logprob_entry(
             ranks.append(j + 1)
         entry[tid] = lp
     return entry, ranks
-
-
-def logprob_objects(
-    entries: Sequence[LogprobEntry | None],
-    ranks: Sequence[RankEntry | None] | None,
-    decode_token: Callable[[int], str | None] | None = None,
-) -> list[dict[int, Logprob] | None]:
-    """The engine's entries as vLLM's ``{token id: Logprob}`` dicts (None stays None).
-
-    Args:
-        entries: per position {token id: logprob}.
-        ranks: per position the ranks of the entry's tokens in its order; None when
-            unknown (every rank is then None).
-        decode_token: token id -> its text; None leaves decoded_token None.
-    """
-    out: list[dict[int, Logprob] | None] = []
-    for i, entry in enumerate(entries):
-        if entry is None:
-            out.append(None)
-            continue
-        rank_list = ranks[i] if ranks is not None else None
-        out.append(
-            {
-                tid: Logprob(
-                    lp,
-                    None if rank_list is None else rank_list[j],
-                    None if decode_token is None else decode_token(tid),
-                )
-                for j, (tid, lp) in enumerate(entry.items())
-            }
-        )
-    return out
 
 
 @dataclasses.dataclass
@@ -180,50 +145,6 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
     cumulative_logprob: float | None = None
-
-    @classmethod
-    def from_engine_output(
-        cls,
-        index: int,
-        out: EngineOutput,
-        params: SamplingParams,
-        decode: Callable[..., str],
-        decode_token: Callable[[int], str | None] | None = None,
-    ) -> CompletionOutput:
-        """One completion with vLLM's text rules.
-
-        A stop string is cut off, and so is the text of the stop token or EOS that
-        ended the output; ``include_stop_str_in_output`` keeps both.
-
-        Args:
-            index: which of the prompt's completions this is.
-            out: the finished (sample's) engine output.
-            params: the prompt's SamplingParams (its text settings).
-            decode: ``decode(token_ids, skip_special_tokens=...) -> str``.
-            decode_token: token id -> text for Logprob.decoded_token; None leaves it None.
-        """
-        ids = list(out.token_ids)
-        keep_stop = params.include_stop_str_in_output
-        by_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
-        text_ids = ids[:-1] if by_token and ids and not keep_stop else ids
-        text = decode(text_ids, skip_special_tokens=params.skip_special_tokens)
-        if isinstance(out.stop_reason, str) and out.stop_reason in text:
-            end = text.find(out.stop_reason)
-            text = text[: end + len(out.stop_reason)] if keep_stop else text[:end]
-        logprobs = cumulative = None
-        if out.logprobs is not None:
-            logprobs = logprob_objects(out.logprobs, out.logprob_ranks, decode_token)
-            cumulative = float(sum(lp[t] for lp, t in zip(out.logprobs, ids)))
-        return cls(
-            index=index,
-            text=text,
-            token_ids=ids,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-            logprobs=logprobs,
-            error=out.error,
-            cumulative_logprob=cumulative,
-        )
 
 
 @dataclasses.dataclass

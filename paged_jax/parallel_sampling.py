@@ -12,17 +12,27 @@ would prefill the whole prompt and find only its full blocks in the prefix cache
     step() ... carrier's first token read -> fork "p_0", "p_1", "p_2"; abort the carrier
     step() ... "p_0" .. "p_2" finish -> one EngineOutput "p" with samples [p_0, p_1, p_2]
 
-This module keeps one parent's bookkeeping (ids, per-sample settings, finished
-samples, the merged output); the Engine runs the requests. Pure Python; never imports jax.
+``ParallelSampleRequest`` keeps one parent's bookkeeping (ids, per-sample settings,
+finished samples, the merged output); ``ParallelSampling`` is the engine's component for
+all of them: it queues carriers, forks samples after the prefill and gathers finished
+samples into their parent's output, through three engine calls (queue, fork, abort).
+Pure Python; never imports jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
+from paged_jax.core.request import RequestStatus
 from paged_jax.outputs import EngineOutput
 from paged_jax.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged_jax.core.request import Request
+    from paged_jax.prompt_logprobs import PromptLogprobs
 
 CARRIER_SUFFIX = "__prefill"
 # The carrier's sampled token is discarded (greedy is enough); ignore_eos and a second
@@ -135,3 +145,168 @@ class ParallelSampleRequest:
             num_preemptions=sum(o.num_preemptions for o in outs),
             samples=outs,
         )
+
+
+class ParallelSampling:
+    """The engine's live parallel-sampling parents and the requests they run.
+
+    Args:
+        queue: ``queue(request_id, prompt_token_ids, params, parent, arrival_time,
+            prompt)`` queues one of a parent's requests as a plain engine request;
+            ``prompt`` is the parent's PromptLogprobs when this request must compute
+            them (it then skips reading the prefix cache), else None.
+        fork: ``fork(carrier, sample_id, prompt_token_ids, params)`` forks a sample
+            from its prefilled carrier (a Request); ValueError when it cannot.
+        abort: ``abort(request_id) -> EngineOutput`` ends a live engine request.
+        is_live: ``is_live(request_id)``: a plain engine request holds the id.
+
+    Attributes:
+        parents: live parents by id.
+        parent_of: every id a live parent uses (its carrier and samples) -> the parent.
+        prefilling: carrier id -> its parent, for carriers whose samples are not forked.
+    """
+
+    def __init__(
+        self,
+        queue: Callable[..., None],
+        fork: Callable[..., None],
+        abort: Callable[[str], EngineOutput],
+        is_live: Callable[[str], bool],
+    ) -> None:
+        self.queue = queue
+        self.fork = fork
+        self.abort = abort
+        self.is_live = is_live
+        self.parents: dict[str, ParallelSampleRequest] = {}
+        self.parent_of: dict[str, ParallelSampleRequest] = {}
+        self.prefilling: dict[str, ParallelSampleRequest] = {}
+        self.prompt_logprobs: dict[str, PromptLogprobs] = {}
+
+    def holds(self, request_id: str) -> bool:
+        """True when a live parent uses ``request_id`` (as itself, its carrier or a sample)."""
+        return request_id in self.parents or request_id in self.parent_of
+
+    def add(
+        self, req: Request, prompt: PromptLogprobs | None, id_taken: Callable[[str], bool]
+    ) -> None:
+        """Queues an n > 1 request, validated as the Request ``req``: its carrier, or
+        its samples (a one-token prompt).
+
+        ``prompt`` collects the parent's prompt logprobs, computed by its carrier (or by
+        samples that fell back to plain requests before the carrier finished them).
+
+        Raises:
+            ValueError: an id one of its requests needs is taken (``id_taken``).
+        """
+        parent = ParallelSampleRequest(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        )
+        for rid in parent.request_ids:
+            if id_taken(rid):
+                raise ValueError(
+                    f"request_id={req.request_id!r} must leave {rid!r} free for its "
+                    "samples; a live request holds it"
+                )
+        arrival_time = req.arrival_time
+        self.parents[parent.request_id] = parent
+        for rid in parent.request_ids:
+            self.parent_of[rid] = parent
+        if prompt is not None:
+            self.prompt_logprobs[parent.request_id] = prompt
+        if parent.carrier_id is None:  # a one-token prompt has nothing to prefill first
+            for sample_id, params in parent.samples:
+                self._queue(parent, sample_id, parent.prompt_token_ids, params, arrival_time)
+        else:
+            self._queue(
+                parent, parent.carrier_id, parent.carrier_prompt, CARRIER_PARAMS, arrival_time
+            )
+            self.prefilling[parent.carrier_id] = parent
+
+    def _queue(
+        self,
+        parent: ParallelSampleRequest,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None,
+    ) -> None:
+        """Queues a parent's carrier or one of its samples (computing the parent's prompt
+        logprobs while they are incomplete)."""
+        prompt = self.prompt_logprobs.get(parent.request_id)
+        computes = prompt is not None and not prompt.complete
+        self.queue(
+            request_id, prompt_token_ids, params, parent, arrival_time, prompt if computes else None
+        )
+
+    def fork_prefilled(self, requests: Mapping[str, Request]) -> None:
+        """Forks the samples of every parent whose carrier's first token was just read.
+
+        A carrier that is not running (still queued, preempted, or ended) or a fork the
+        batch has no room for falls back to plain requests of the whole prompt, which
+        still find the prompt's full blocks in the prefix cache.
+
+        Args:
+            requests: the scheduler's live requests by id.
+        """
+        for carrier_id, parent in list(self.prefilling.items()):
+            req = requests.get(carrier_id)
+            alive = req is not None and req.status == RequestStatus.RUNNING
+            if alive and req.num_output_tokens < 1:
+                continue  # still prefilling
+            for sample_id, params in parent.samples:
+                try:
+                    if not alive:
+                        raise ValueError("the carrier is not running")
+                    self.fork(req, sample_id, parent.prompt_token_ids, params)
+                except ValueError:
+                    # A fallback sample arrives now: it joins the queue behind what came since.
+                    self._queue(parent, sample_id, parent.prompt_token_ids, params, None)
+            if self.is_live(carrier_id):
+                self.abort(carrier_id)  # its output is the parent's business: dropped
+            del self.prefilling[carrier_id]
+
+    def gather(self, finished: list[EngineOutput]) -> list[EngineOutput]:
+        """Keeps finished samples in their parents; a parent's output replaces its last one.
+
+        A carrier's own output (it ended before its samples were forked) is dropped:
+        ``fork_prefilled`` then queued the samples as plain requests.
+        """
+        out = []
+        for o in finished:
+            parent = self.parent_of.get(o.request_id)
+            if parent is None:
+                out.append(o)
+            elif o.request_id != parent.carrier_id:
+                parent.record(o)
+                if parent.done:
+                    out.append(self.release(parent))
+        return out
+
+    def abort_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
+        """Ends a parent now: its carrier and unfinished samples are aborted; its output
+        keeps the samples that had finished."""
+        carrier_id = parent.carrier_id
+        if carrier_id is not None:
+            self.prefilling.pop(carrier_id, None)
+            if self.is_live(carrier_id):
+                self.abort(carrier_id)
+        for sample_id in parent.unfinished_sample_ids():
+            if self.is_live(sample_id):
+                parent.record(self.abort(sample_id))
+        return self.release(parent)
+
+    def release(self, parent: ParallelSampleRequest) -> EngineOutput:
+        """Forgets a parent whose samples all ended; returns its output."""
+        del self.parents[parent.request_id]
+        for rid in parent.request_ids:
+            del self.parent_of[rid]
+        out = parent.output(time.time())
+        prompt = self.prompt_logprobs.pop(parent.request_id, None)
+        if prompt is not None:
+            out.prompt_logprobs, out.prompt_logprob_ranks = prompt.output()
+        return out

@@ -653,3 +653,140 @@ class GrammarCompiler:
             eos_token_ids=frozenset(self.eos_token_ids),
             compile_s=time.perf_counter() - start,
         )
+
+
+class StructuredOutputs:
+    """The engine's structured-outputs component: one matcher per live constrained request.
+
+    The engine calls it at four points: a constrained request arrives or is forked
+    (``add_request``, ``fork_matcher``), a step is packed (``bitmask``: the constrained
+    rows' allowed tokens), a step's tokens are read (``accept``), and a failed step is
+    rolled back (``replay``).
+
+    Args:
+        tokenizer: the checkpoint's ``tokenizers.Tokenizer`` (or its tokenizer.json path);
+            None refuses constrained requests with a ValueError.
+        vocab_size: the model's vocabulary size.
+
+    Attributes:
+        matchers: request id -> the Matcher of every live constrained request.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.compiler: GrammarCompiler | None = None
+        self.matchers: dict[str, Matcher] = {}
+
+    def grammars(self, eos_token_ids: Sequence[int]) -> GrammarCompiler:
+        """The GrammarCompiler, built on first use; ValueError without a tokenizer."""
+        if self.compiler is None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "SamplingParams.structured_outputs needs the checkpoint's tokenizer: "
+                    "pass Engine(tokenizer=...) (LLM does when it has one)"
+                )
+            self.compiler = GrammarCompiler(
+                self.tokenizer, eos_token_ids=tuple(eos_token_ids), vocab_size=self.vocab_size
+            )
+        return self.compiler
+
+    def new_matcher(
+        self,
+        params: Any,
+        eos_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+    ) -> Matcher:
+        """A matcher for ``params.structured_outputs`` (a SamplingParams) past
+        ``output_token_ids``.
+
+        Raises:
+            ValueError: the constraint does not compile (naming the field), or the grammar
+                refuses one of the tokens.
+        """
+        matcher = self.grammars(eos_token_ids).matcher(params.structured_outputs)
+        if output_token_ids and not matcher.replay(output_token_ids):
+            raise ValueError(
+                f"output_token_ids={list(output_token_ids)!r} must be allowed by "
+                "SamplingParams.structured_outputs: its grammar refuses token "
+                f"{int(output_token_ids[matcher.num_accepted])}"
+            )
+        return matcher
+
+    def add_request(
+        self,
+        request_id: str,
+        params: Any,
+        eos_token_ids: Sequence[int],
+        matcher: Matcher | None = None,
+    ) -> None:
+        """Gives a constrained request ``matcher`` or a new one at its grammar's start
+        (nothing for an unconstrained one)."""
+        if params.structured_outputs is not None:
+            self.matchers[request_id] = matcher or self.new_matcher(params, eos_token_ids)
+
+    def remove_request(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+
+    def fork_matcher(
+        self, parent: Any, child: Any, params: Any, eos_token_ids: Sequence[int]
+    ) -> Matcher | None:
+        """The matcher of a child Request forked from ``parent`` with ``params``: a copy
+        of the parent's when the child has its constraint and outputs, else a replay of
+        the child's outputs (None for an unconstrained child)."""
+        if params.structured_outputs is None:
+            return None
+        source = self.matchers.get(parent.request_id)
+        same = (
+            source is not None
+            and parent.sampling_params.structured_outputs == params.structured_outputs
+            and source.accepted_token_ids == tuple(child.output_token_ids)
+        )
+        return (
+            source.copy()
+            if same
+            else self.new_matcher(params, eos_token_ids, child.output_token_ids)
+        )
+
+    def bitmask(self, step: Any, scheduled: Sequence[Any], width: int) -> Any:
+        """The StepInput ``step`` with its constrained rows' allowed-token bitmask
+        (unchanged when no row that samples is constrained: the runner then passes its
+        resident all-ones one). ``scheduled``: the step's ScheduledSeqs, in row order."""
+        matchers = self.matchers
+        rows = [matchers.get(seq.req_id) if seq.samples else None for seq in scheduled]
+        if not any(rows):
+            return step
+        words = np.empty((step.bucket[1], width), np.int32)
+        self.compiler.fill_bitmasks(rows, words)
+        return dataclasses.replace(step, sampling=step.sampling._replace(bitmask=words))
+
+    def accept(
+        self, sampled: dict[str, Any], requests: Mapping[str, Any], eos_token_ids: Sequence[int]
+    ) -> tuple[list[tuple[Any, int]], list[str]]:
+        """Advances each constrained request's matcher past its sampled token.
+
+        A refused token is taken out of ``sampled`` and its Request returned with it (it
+        ends with an error); also returns the ids of requests whose grammar EOS ended
+        though they ignore EOS.
+        """
+        refused, ended = [], []
+        for req_id, token in list(sampled.items()):
+            matcher = self.matchers.get(req_id)
+            if matcher is None:
+                continue
+            if type(token) is list:  # speculative engine: a constrained row has no drafts
+                token = token[0]
+            if not matcher.accept(token):
+                del sampled[req_id]
+                refused.append((requests[req_id], token))
+            elif token in eos_token_ids and requests[req_id].sampling_params.ignore_eos:
+                ended.append(req_id)
+        return refused, ended
+
+    def replay(self, requests: Sequence[Any]) -> None:
+        """After a rolled-back step: a grammar past tokens that were dropped starts over
+        from its request's outputs."""
+        for req in requests:
+            m = self.matchers.get(req.request_id)
+            if m is not None and m.accepted_token_ids != tuple(req.output_token_ids):
+                m.replay(req.output_token_ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from paged_jax.core.hashing import BlockHash, BlockHasher
@@ -265,3 +265,62 @@ class Request:
             f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens}, status={self.status.name})"
         )
+
+
+def fork_child(
+    parent: Request,
+    child_id: str,
+    prompt_token_ids: Sequence[int] | None,
+    output_token_ids: Sequence[int] | None,
+    params: Any,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> tuple[Request, int]:
+    """The child Request of a fork and how many of its tokens it shares, computed, with
+    ``parent`` (what the scheduler's fork gives it without recomputing).
+
+    The child's tokens are the parent's prompt and outputs unless given; the shared
+    tokens are at most the parent's computed ones, and only a common prefix (never the
+    child's last token, which its first step computes).
+
+    Raises:
+        ValueError: a token id outside the vocabulary, more than max_model_len tokens,
+            or no computed token shared with the parent.
+    """
+    if prompt_token_ids is None:
+        child = parent.fork(child_id, output_token_ids, sampling_params=params)
+    else:
+        child = Request(
+            child_id,
+            prompt_token_ids,
+            params,
+            cache_salt=parent.cache_salt,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+        )
+        if output_token_ids:
+            child.append_output_token_ids(list(output_token_ids))
+    bad = [t for t in child.all_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"token id {bad[0]!r} of child {child_id!r} must be < vocab_size={vocab_size}"
+        )
+    if child.num_tokens > max_model_len:
+        raise ValueError(
+            f"child {child_id!r} has {child.num_tokens} tokens; must be <= max_model_len="
+            f"{max_model_len}"
+        )
+    common = 0
+    limit = min(parent.num_computed_tokens, child.num_tokens - 1)
+    mine, theirs = parent.all_token_ids, child.all_token_ids
+    if prompt_token_ids is None:
+        common = parent.num_prompt_tokens  # same prompt: compare the outputs only
+    while common < limit and mine[common] == theirs[common]:
+        common += 1
+    common = min(common, limit)
+    if common <= 0:
+        raise ValueError(
+            f"child {child_id!r} must share at least one computed token with {parent.request_id!r}"
+        )
+    return child, common

@@ -6,7 +6,7 @@ import pytest
 
 from paged_jax.engine import EngineOutput
 from paged_jax.llm import LLM
-from paged_jax.outputs import CompletionOutput
+from paged_jax.output_processor import completion_output
 from paged_jax.sampling_params import SamplingParams
 
 SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
@@ -91,7 +91,7 @@ def test_stop_text_rules_follow_vllm(llm):
     h, i, bos, eos = 72 + 3, 105 + 3, 1, 2  # byte tokenizer: id = byte + 3
 
     def done(index, out, params):
-        return CompletionOutput.from_engine_output(index, out, params, llm.decode)
+        return completion_output(index, out, params, llm.decode)
 
     # EOS ends the output: its id stays in token_ids, its text never shows.
     out = done(0, _finished([h, bos, i, eos]), SamplingParams())
