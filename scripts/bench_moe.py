@@ -39,7 +39,7 @@ import sys
 import time
 
 # config.json fields of released checkpoints (the Hugging Face hub's).
-PUBLISHED = {
+PUBLISHED_MOE_CONFIGS = {
     "Mixtral-8x7B": dict(model_type="mixtral", vocab_size=32000, hidden_size=4096,
                          intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8,
@@ -246,7 +246,7 @@ def published_bytes(sizes: list[int], dtype: str = "bfloat16") -> list[dict]:
     from paged_jax.models.partitioning import per_device_param_bytes, tensor_parallel_config
 
     rows = []
-    for name, hf in PUBLISHED.items():
+    for name, hf in PUBLISHED_MOE_CONFIGS.items():
         cls = model_class_for(hf)
         config = cls.config_from_hf(hf, {}, dtype)
         for n in sizes:

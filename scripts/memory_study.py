@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from paged_jax.memory_study import markdown, plots, report
 
-    settings = report.SMALL if args.small else report.StudySettings()
+    settings = report.SMALL_STUDY if args.small else report.StudySettings()
     settings = dataclasses.replace(settings, seed=args.seed)
     command = "python scripts/memory_study.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     study = report.run_study(settings, check_invariants=args.check_invariants, progress=print)

@@ -17,7 +17,7 @@ import pathlib
 import sys
 
 # config.json fields of published checkpoints (as released on the Hugging Face hub).
-MODELS = {
+TP_TABLE_MODELS = {
     "Llama-3.1-8B": dict(
         model_type="llama",
         vocab_size=128256,
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="bench_results/tp_memory_table.json")
     args = p.parse_args(argv)
     sizes = [int(n) for n in args.sizes.split(",")]
-    rows = [row for name, hf in MODELS.items() for row in measure(name, hf, sizes, args.dtype)]
+    rows = [row for name, hf in TP_TABLE_MODELS.items() for row in measure(name, hf, sizes, args.dtype)]
     table = markdown(rows)
     print(table)
     out = pathlib.Path(args.output)

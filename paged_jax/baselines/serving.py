@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from paged_jax.baselines.workload import TraceRequest
-from paged_jax.constants import is_int
+from paged_jax.constants import cdiv, is_int
 
 
 def poisson_arrivals(num_requests: int, rate: float, seed: int) -> np.ndarray:  # f64[n]
@@ -783,7 +783,7 @@ class ReservationServer:
 
         kv_len = req.num_prompt_tokens + req.num_output_tokens - 1 + self.extra_kv_tokens
         size = reservation_size(self.policy, kv_len, self.max_model_len)
-        return -(-size // self.granularity) * self.granularity
+        return cdiv(size, self.granularity) * self.granularity
 
     def _admit(self) -> None:
         while self.gate:

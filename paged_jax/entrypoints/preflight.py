@@ -17,8 +17,8 @@ from typing import Any
 
 from paged_jax.chat_template import MAX_TEMPLATE_FILE_BYTES, ChatTemplate
 from paged_jax.config import EngineConfig
+from pallas_kernels.roofline import INT32_BYTES  # jax-free, as this module must stay
 
-INT32_BYTES = 4
 # The engine keeps up to two block tables per sequence (full and sliding-window groups).
 MAX_KV_CACHE_GROUPS = 2
 

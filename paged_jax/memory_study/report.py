@@ -70,7 +70,7 @@ class StudySettings:
     seed: int = 0
 
 
-SMALL = StudySettings(
+SMALL_STUDY = StudySettings(
     num_sharegpt=40,
     num_alpaca=60,
     sharegpt_budget=8192,

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
-SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+BPE_SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 """Ids 0, 1, 2: padding, BOS and EOS, as in the demo checkpoint."""
 EOS_TOKEN_ID = 2
 
@@ -115,7 +115,7 @@ def stdlib_corpus(max_chars: int = 8_000_000) -> Iterator[str]:
 def train_byte_level_bpe(
     texts: Iterable[str],
     vocab_size: int,
-    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    special_tokens: Sequence[str] = BPE_SPECIAL_TOKENS,
 ):
     """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``.
 

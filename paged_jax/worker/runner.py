@@ -280,7 +280,7 @@ def prompt_chunk_size(config: EngineConfig) -> int:
 def split_rows(x: jax.Array, rows: int) -> tuple[jax.Array, ...]:
     """f[T, D] as ceil(T / rows) arrays f[rows, D] (the last zero-padded): one fixed shape
     for every bucket T, so one compiled program reads any chunk of any step."""
-    num_chunks = -(-x.shape[0] // rows)
+    num_chunks = cdiv(x.shape[0], rows)
     x = jnp.pad(x, ((0, num_chunks * rows - x.shape[0]), (0, 0)))
     return tuple(x[c * rows : (c + 1) * rows] for c in range(num_chunks))
 
