@@ -24,6 +24,8 @@ from paged_jax.entrypoints.generate_cli import main as generate_main
 # A hang guard, not a speed limit: the marker shows after the model loads (and, for the
 # warm-up cases, after the first programs compile), minutes on a loaded 2-core machine.
 DEADLINE_S = 600
+# The variables by which tests/conftest.py hands its shared XLA cache to subprocesses.
+SUITE_XLA_CACHE = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,7 @@ def _interrupt(cmd: list[str], marker: str, delay_s: float) -> tuple[int, str]:
     """Runs `cmd`, sends SIGINT `delay_s` after `marker` shows on stderr; (status, stderr)."""
     # Without the suite's shared XLA cache (tests/conftest.py): a warm one would load the
     # step programs at once and leave no compile in progress to interrupt.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_XLA_CACHE)}
     env["PYTHONFAULTHANDLER"] = "1"
     proc = subprocess.Popen(
         cmd,

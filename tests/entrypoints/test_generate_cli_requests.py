@@ -18,6 +18,8 @@ from paged_jax.sampling_params import SamplingParams
 
 ENGINE = ["--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "16"]
 ENGINE += ["--max-model-len", "64", "--no-compile-cache"]
+# The variables by which tests/conftest.py hands its shared XLA cache to subprocesses.
+SUITE_XLA_CACHE = ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE")
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}[assistant]"
 
 
@@ -135,7 +137,7 @@ def test_second_run_loads_the_step_from_the_compile_cache(model_dir, tmp_path):
     prompts.write_text("cache me\n")
     # Without the suite's shared XLA cache (tests/conftest.py): these runs must find every
     # program in their own cache, cold then warm.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SUITE_XLA_CACHE)}
     env["PAGED_JAX_COMPILE_CACHE"] = str(tmp_path / "jax_cache")
     runs = []
     for i in range(2):
