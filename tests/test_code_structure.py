@@ -9,6 +9,7 @@ from __future__ import annotations
 import pathlib
 
 from paged_jax.testing.code_structure import (
+    PROJECT_PACKAGES,
     collect_modules,
     import_cycles,
     import_graph,
@@ -16,15 +17,10 @@ from paged_jax.testing.code_structure import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = {
-    "paged_jax": "paged_jax",
-    "models": "paged_jax.models",
-    "pallas_kernels": "pallas_kernels",
-}
 
 
 def _project_modules():
-    return collect_modules(ROOT, PACKAGES)
+    return collect_modules(ROOT, PROJECT_PACKAGES)
 
 
 def test_checks_find_a_planted_circle_and_private_read(tmp_path):

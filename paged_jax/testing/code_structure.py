@@ -18,6 +18,12 @@ import pathlib
 from collections.abc import Iterable, Sequence
 
 # NamedTuple's public API happens to start with an underscore.
+# The project's packages: folder -> import name (models/ installs as paged_jax.models).
+PROJECT_PACKAGES = {
+    "paged_jax": "paged_jax",
+    "models": "paged_jax.models",
+    "pallas_kernels": "pallas_kernels",
+}
 NAMEDTUPLE_METHODS = frozenset({"_replace", "_asdict", "_fields", "_make", "_field_defaults"})
 
 
