@@ -63,7 +63,7 @@ class EngineConfig:
         scheduling_policy: "fcfs" or "priority" (lower value = served first).
         attention_backend: "auto" (Pallas on GPU, pure-JAX reference elsewhere),
             "pallas", "pallas_interpret" (Pallas in interpret mode, for tests),
-            "mosaic_gpu" (Mosaic GPU attention kernels: Hopper or newer, jax >= 0.12,
+            "mosaic_gpu" (Mosaic GPU attention kernels: Hopper or newer, jax >= 0.11.2,
             bf16/f16 models), "mosaic_gpu_interpret" (the same in GPU interpret mode on
             CPU, for tests) or "reference".
         dtype: weights and KV dtype: "auto" (bfloat16 on GPU, float32 elsewhere),

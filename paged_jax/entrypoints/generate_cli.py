@@ -167,7 +167,7 @@ ENGINE_FLAGS = {
     "preemption_mode": Flag("recompute (vLLM V1) or swap to host memory"),
     "attention_backend": Flag(
         "auto = Pallas on GPU, reference elsewhere; pallas needs a GPU; mosaic_gpu needs "
-        "a Hopper GPU and jax >= 0.12 (mosaic_gpu_interpret: its CPU interpreter)"
+        "a Hopper GPU and jax >= 0.11.2 (mosaic_gpu_interpret: its CPU interpreter)"
     ),
     "dtype": Flag("auto = bf16 on GPU, else f32"),
     "kv_cache_dtype": Flag(
