@@ -88,7 +88,7 @@ def run_all(engine: Engine) -> dict:
                 engine.kv_cache_manager.check_invariants()
         return outs
 
-    return call_within(300, loop)
+    return call_within(1200, loop)  # a hang guard, generous for a loaded machine
 
 
 def assert_pool_drained(engine: Engine) -> None:
@@ -231,7 +231,7 @@ def test_rejected_drafts_leave_no_blocks(spec_engine):
                 assert held <= -(-req.num_tokens // 4), (req, held)
         return outs
 
-    outs = call_within(300, loop)
+    outs = call_within(1200, loop)  # a hang guard, generous for a loaded machine
     for rid, p in ps.items():
         assert outs[rid].token_ids == SumModel.reference_continuation(p * 3, 12, VOCAB)
     assert_pool_drained(engine)
