@@ -178,20 +178,20 @@ class Engine:
             else None
         )
         self.warmup_report: WarmupReport | None = None
-        self.proposer: Proposer | None = None
+        proposer: Proposer | None = None
         if config.speculative_config is not None:
             context = ProposerContext(config, self.vocab_size, model, config.dtype)
-            self.proposer = build_proposer(config.speculative_config, context)
+            proposer = build_proposer(config.speculative_config, context)
         self.runner = Runner(
             model,
             config,
             owns_model=owns_model,
             extra_kv_bytes_per_block=(
-                0 if self.proposer is None else self.proposer.kv_cache_bytes_per_block()
+                0 if proposer is None else proposer.kv_cache_bytes_per_block()
             ),
         )
-        if self.proposer is not None:
-            self.proposer.initialize(self.runner.num_kv_blocks)
+        if proposer is not None:
+            proposer.initialize(self.runner.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_kv_blocks,
             config.block_size,
@@ -210,9 +210,9 @@ class Engine:
         )
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.speculator: Speculator | None = None
-        if self.proposer is not None:
+        if proposer is not None:
             self.speculator = Speculator(
-                self.proposer,
+                proposer,
                 config.speculative_config.method,
                 config.num_speculative_tokens,
                 self.scheduler,
@@ -232,6 +232,20 @@ class Engine:
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
         self._compiles_at_start = self._num_compiles()
         self._compiles_after_warmup: int | None = None
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The speculative decoding proposer (the speculator's); None without
+        EngineConfig.speculative_config. Settable, to plant a proposer of your own."""
+        return None if self.speculator is None else self.speculator.proposer
+
+    @proposer.setter
+    def proposer(self, value: Proposer) -> None:
+        if self.speculator is None:
+            raise ValueError(
+                f"proposer={value!r} needs an engine built with EngineConfig.speculative_config"
+            )
+        self.speculator.proposer = value
 
     @property
     def detokenize(self) -> Callable[[Sequence[int]], str] | None:
