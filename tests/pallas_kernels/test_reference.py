@@ -6,6 +6,7 @@ import importlib.util
 import math
 import pathlib
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +246,9 @@ def _previous_reference():
     side-by-side (decode and ragged; no window, soft cap or fp8)."""
     spec = importlib.util.spec_from_file_location("bench_kernels", BENCH_SCRIPT)
     module = importlib.util.module_from_spec(spec)
+    # Registered first: the script defines dataclasses, which look their module up in
+    # sys.modules while the class body is processed.
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module.previous_reference()
 
