@@ -149,18 +149,21 @@ def test_race_detector_reports_a_read_before_its_barrier():
         plgpu.copy_smem_to_gmem(out_smem, o_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    racy = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-        scratch_types=[
-            plgpu.SMEM((64, 64), jnp.float32),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.SMEM((64, 64), jnp.float32),
-        ],
-        grid=(1,),
-        grid_names=("x",),
-        interpret=interpret_params(),
-    )
+    def kernel(fn):  # one 64 x 64 f32 tile through SMEM, as both bodies expect
+        return plgpu.kernel(
+            fn,
+            out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+            scratch_types=[
+                plgpu.SMEM((64, 64), jnp.float32),
+                plgpu.Barrier(num_barriers=1),
+                plgpu.SMEM((64, 64), jnp.float32),
+            ],
+            grid=(1,),
+            grid_names=("x",),
+            interpret=interpret_params(),
+        )
+
+    racy = kernel(body)
 
     @jax.jit
     def checked(x):
@@ -178,18 +181,7 @@ def test_race_detector_reports_a_read_before_its_barrier():
         plgpu.copy_smem_to_gmem(out_smem, o_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    fixed = plgpu.kernel(
-        fixed_body,
-        out_type=jax.ShapeDtypeStruct((64, 64), jnp.float32),
-        scratch_types=[
-            plgpu.SMEM((64, 64), jnp.float32),
-            plgpu.Barrier(num_barriers=1),
-            plgpu.SMEM((64, 64), jnp.float32),
-        ],
-        grid=(1,),
-        grid_names=("x",),
-        interpret=interpret_params(),
-    )
+    fixed = kernel(fixed_body)
     out = with_timeout(
         jax.jit(lambda x: raise_on_races((fixed(x),), interpret_params(), "fixed")[0]),
         jnp.ones((64, 64), jnp.float32),
