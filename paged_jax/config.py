@@ -99,6 +99,8 @@ class EngineConfig:
             $JAX_PROCESS_ID).
         distributed_heartbeat_timeout_s: seconds after which the survivors of a process
             that died stop with an error instead of waiting for it.
+        distributed_init_timeout_s: seconds jax.distributed.initialize waits for every
+            process of the job to join before it fails (a peer that never starts).
         lockstep_check_interval: with several processes, compare a checksum of each
             process's schedule every this many steps (and at every step that admits
             requests; every step under validate): a divergence stops every process with
@@ -132,6 +134,7 @@ class EngineConfig:
     distributed_num_processes: int | None = None
     distributed_process_id: int | None = None
     distributed_heartbeat_timeout_s: int = 30
+    distributed_init_timeout_s: int = 120
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
 
@@ -199,7 +202,11 @@ class EngineConfig:
         if rank is not None and (not is_int(rank) or rank < 0 or (n is not None and rank >= n)):
             want = "None or an int >= 0" + ("" if n is None else f" and < {n}")
             fail(self, "distributed_process_id", want)
-        for name in ("distributed_heartbeat_timeout_s", "lockstep_check_interval"):
+        for name in (
+            "distributed_heartbeat_timeout_s",
+            "distributed_init_timeout_s",
+            "lockstep_check_interval",
+        ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(self, name, "an int >= 1")
         spec = self.speculative_config
