@@ -196,6 +196,11 @@ ENGINE_FLAGS = {
         "this process's rank in [0, --num-processes) (default: $JAX_PROCESS_ID)",
         name="process-id",
     ),
+    "distributed_init_timeout_s": Flag(
+        "multi-process engine: seconds to wait for every process to join before failing "
+        "(a peer that never starts)",
+        name="distributed-init-timeout",
+    ),
 }
 ENGINE_ABSENT = {
     "scheduling_policy": "the prompts file carries no request priority",
