@@ -7,8 +7,9 @@ The template comes from chat_template.jinja, else tokenizer_config.json's
 "chat_template" (a string, or a list of named templates: "default" is used). It is
 rendered with jinja2's immutable sandbox, trim_blocks and lstrip_blocks, the loop
 controls extension, a `tojson` filter and the `raise_exception` / `strftime_now`
-helpers, with the tokenizer config's special tokens (bos_token, eos_token, ...) as
-variables. A template is untrusted code, so each render also runs under a size and a
+helpers, with the checkpoint's special tokens (bos_token, eos_token, ...) as
+variables; a template given for a checkpoint sees them too
+(`ChatTemplate.with_model_special_tokens`), as transformers renders it. A template is untrusted code, so each render also runs under a size and a
 time budget (see `RenderBudget`). Host module: no jax.
 """
 
@@ -30,7 +31,16 @@ from typing import Any
 
 from paged_jax.constants import is_int, is_number
 
-_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
+# transformers' named special tokens: the variables every template sees.
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 # A rendered prompt longer than this is not a prompt (about a million tokens of text).
 DEFAULT_MAX_OUTPUT_CHARS = 4 * 2**20
@@ -190,6 +200,53 @@ def _read_template_file(file: pathlib.Path) -> str:
     return file.read_text(encoding="utf-8")
 
 
+def _read_json_object(file: pathlib.Path) -> dict[str, Any]:
+    """The JSON object in `file`; {} when there is no such file.
+
+    Raises:
+        ValueError: the file is not a JSON object (naming it).
+    """
+    if not file.is_file():
+        return {}
+    try:
+        value = json.loads(_read_template_file(file))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{file} is not valid JSON: {err}") from err
+    except RecursionError as err:
+        raise ValueError(f"{file} is not valid: its JSON is nested too deeply") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return value
+
+
+def model_special_tokens(
+    path: str | pathlib.Path, config: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """The special tokens a chat template sees as variables, read as transformers reads them.
+
+    tokenizer_config.json's bos_token, eos_token, ... (a string or {"content": ...}),
+    and for the ones it lacks, special_tokens_map.json's. A checkpoint with neither
+    file has none (a template's {{ bos_token }} then renders "", as in transformers).
+
+    Args:
+        path: the checkpoint directory.
+        config: tokenizer_config.json's object when the caller has read it already.
+
+    Raises:
+        ValueError: one of the files is not a JSON object (naming it).
+    """
+    path = pathlib.Path(path)
+    if config is None:
+        config = _read_json_object(path / "tokenizer_config.json")
+    legacy = _read_json_object(path / "special_tokens_map.json")
+    tokens = {}
+    for key in _SPECIAL_TOKEN_KEYS:
+        text = _token_text(config.get(key)) or _token_text(legacy.get(key))
+        if text:
+            tokens[key] = text
+    return tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
     """A compiled chat template and the special tokens it may refer to.
@@ -226,19 +283,8 @@ class ChatTemplate:
         """
         path = pathlib.Path(path)
         config_file = path / "tokenizer_config.json"
-        config: Any = {}
-        if config_file.is_file():
-            try:
-                config = json.loads(_read_template_file(config_file))
-            except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                raise ValueError(f"{config_file} is not valid JSON: {err}") from err
-            except RecursionError as err:
-                raise ValueError(
-                    f"{config_file} is not valid: its JSON is nested too deeply"
-                ) from err
-            if not isinstance(config, dict):
-                raise ValueError(f"{config_file} must hold a JSON object")
-        special = {k: t for k in _SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k)))}
+        config = _read_json_object(config_file)
+        special = model_special_tokens(path, config)
         jinja_file = path / "chat_template.jinja"
         if jinja_file.is_file():
             return cls(_read_template_file(jinja_file), special, str(jinja_file))
@@ -249,6 +295,21 @@ class ChatTemplate:
         if isinstance(template, str) and template:
             return cls(template, special, f"{config_file} (chat_template)")
         return None
+
+    def with_model_special_tokens(self, path: str | pathlib.Path) -> ChatTemplate:
+        """This template rendering the special tokens of the checkpoint at `path`.
+
+        A template given for a checkpoint (LLM's chat_template=, the CLI's
+        --chat-template FILE) renders {{ bos_token }} as the checkpoint's BOS, as
+        transformers' apply_chat_template(chat_template=...) and vLLM do; tokens this
+        template already holds win.
+
+        Raises:
+            ValueError: the checkpoint's tokenizer_config.json or special_tokens_map.json
+                is not a JSON object (naming it).
+        """
+        tokens = {**model_special_tokens(path), **self.special_tokens}
+        return dataclasses.replace(self, special_tokens=tokens)
 
     def render(
         self,

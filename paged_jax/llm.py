@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
-from paged_jax.chat_template import ChatTemplate, check_messages
+from paged_jax.chat_template import ChatTemplate, check_messages, model_special_tokens
 from paged_jax.compile_cache import (
     enable_compile_cache,
     executable_cache_dir,
@@ -77,7 +77,10 @@ class LLM:
             chooses the directory. PAGED_JAX_COMPILE_CACHE=0 turns it off whatever is
             passed.
         chat_template: Jinja text used by chat() and render_chat() when the call passes
-            none; it overrides the checkpoint's chat template.
+            none; it overrides the checkpoint's chat template. Like the checkpoint's own
+            (and as in transformers and vLLM), it sees the checkpoint's special tokens
+            ({{ bos_token }}, {{ eos_token }}, ...: tokenizer_config.json, else
+            special_tokens_map.json); with a model object there are none.
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
             max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
@@ -129,7 +132,9 @@ class LLM:
         cache_dir = resolve_compile_cache_dir(compile_cache) if compile_cache else None
         self.compile_cache_dir = None if cache_dir is None else enable_compile_cache(cache_dir)
         self.tokenizer = None
-        self.chat_template = None if chat_template is None else ChatTemplate(chat_template)
+        # The variables a chat template sees (bos_token, ...): the checkpoint's.
+        self._special_tokens: dict[str, str] = {}
+        self.chat_template: ChatTemplate | None = None
         if isinstance(model, (str, pathlib.Path)):
             path = pathlib.Path(model)
             if not path.is_dir():
@@ -150,12 +155,15 @@ class LLM:
             )
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path / "tokenizer.json"
-            if self.chat_template is None:
+            self._special_tokens = model_special_tokens(path)
+            if chat_template is None:
                 self.chat_template = ChatTemplate.from_model_dir(path)
         else:
             check_paged_model(model)
             self.model = model
             config = dataclasses.replace(config, dtype=_dtype_name(model.config.dtype))
+        if chat_template is not None:
+            self.chat_template = self._given_template(chat_template)
         if isinstance(tokenizer, (str, pathlib.Path)):
             from tokenizers import Tokenizer
 
@@ -362,7 +370,9 @@ class LLM:
         conversations = [messages] if is_one else list(messages)
         if not conversations:
             raise ValueError(f"messages={messages!r} must be a conversation or a list of them")
-        template = self.chat_template if chat_template is None else ChatTemplate(chat_template)
+        template = self.chat_template
+        if chat_template is not None:
+            template = self._given_template(chat_template)
         if template is None:
             raise ValueError(
                 "the model has no chat template (no chat_template.jinja and no "
@@ -379,6 +389,10 @@ class LLM:
             ids = self.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return prompts
+
+    def _given_template(self, source: str) -> ChatTemplate:
+        """A template passed by the caller, seeing the checkpoint's special tokens."""
+        return ChatTemplate(source, self._special_tokens, origin="chat_template=")
 
     def _prompt_ids(
         self, prompt: str | list[int] | Mapping[str, Any]

@@ -64,6 +64,8 @@ def check_model(
     tokenizer = _check_tokenizer(model_dir)
     if chat_template is None:
         chat_template = _check_chat_template(model_dir)
+    else:  # {{ bos_token }} is the checkpoint's, as transformers renders a given template
+        chat_template = chat_template.with_model_special_tokens(model_dir)
     limit = int(config.max_position_embeddings)
     requested = engine_args.get("max_model_len")
     if requested is not None and requested > limit:
