@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from paged_jax.constants import cdiv
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import DecoderLayer
 from paged_jax.models.layers import GatedMLP, activation, linear, matmul_precision
@@ -198,7 +199,7 @@ def tile_rows_and_count(num_rows: int, num_groups: int) -> tuple[int, int]:
     cdiv(n, m) tiles, and at most min(G, rows) groups are non-empty, so at most
     (rows + min(G, rows) * (m - 1)) // m tiles are ever used, whatever the routing.
     """
-    mean = -(-num_rows // max(num_groups, 1))
+    mean = cdiv(num_rows, max(num_groups, 1))
     m = min(128, 1 << max(mean - 1, 0).bit_length())
     busy = min(num_groups, num_rows)
     return m, max(1, (num_rows + busy * (m - 1)) // m)

@@ -2,7 +2,7 @@
 
 One source for each: mode strings (as ``Literal`` types and their tuples; the attention
 backends come from the kernels package, which owns them), bucket floors, ceiling
-division, and the "int but not bool" and "field must be" checks that configs raise as
+division (the kernels package's, re-exported), and the "int but not bool" and "field must be" checks that configs raise as
 ``ValueError(f"{Owner}.{field}={value!r} must be {expected}")``.
 Pure Python; never imports jax.
 """
@@ -15,6 +15,7 @@ from typing import Literal, NoReturn, get_args
 from pallas_kernels.names import BACKEND_NAMES, Fp8KVCacheDtype
 from pallas_kernels.names import NULL_BLOCK_ID as NULL_BLOCK_ID  # re-exported
 from pallas_kernels.names import AttentionBackend as AttentionBackend  # re-exported
+from pallas_kernels.names import cdiv as cdiv  # re-exported: one ceiling division
 
 PreemptionMode = Literal["recompute", "swap"]
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -48,11 +49,6 @@ PROMPT_BYTES_PER_TOKEN = 128
 # The sampler's id for a row whose logits were not all finite; it rides in the sampled
 # ids the host copies anyway, and the runner turns it into StepResult.nonfinite.
 NONFINITE_TOKEN_ID = -1
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for `a` tokens of `b` per block."""
-    return -(-a // b)
 
 
 def is_int(x: object) -> bool:

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import plan as plans
 from pallas_kernels._attention_kernel import NEG, combine_items
 from pallas_kernels.mosaic_compat import raise_on_races
-from pallas_kernels.names import mosaic_jax_reason
+from pallas_kernels.names import cdiv, mosaic_jax_reason
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
@@ -425,7 +425,7 @@ def mosaic_decode_call(
     _, num_kv_heads, block_size, head_dim = k_cache.shape
     dtype = q_tiles.dtype
     block_k = pages_per_step * block_size
-    out_rows = min(Q_TILE_ROWS, -(-group // 8) * 8)
+    out_rows = min(Q_TILE_ROWS, cdiv(group, 8) * 8)
     fp8 = is_fp8(k_cache.dtype)
     scratch = [
         swizzled_smem(plgpu, Q_TILE_ROWS, head_dim, dtype),

@@ -51,6 +51,7 @@ from pallas_kernels.mosaic_decode import (
     plgpu_module,
     swizzled_smem,
 )
+from pallas_kernels.names import cdiv
 from pallas_kernels.quantization import is_fp8, kv_scales_array
 from pallas_kernels.validation import check_attention_values, validate_attention_inputs
 
@@ -185,7 +186,7 @@ def mosaic_ragged_call(
     dtype = q_tiles.dtype
     block_k = pages_per_step * block_size
     rows = Q_TILE_ROWS
-    num_subtiles = -(-block_q * group // rows)
+    num_subtiles = cdiv(block_q * group, rows)
     fp8 = is_fp8(k_cache.dtype)
     scratch = [
         swizzled_smem(plgpu, rows, head_dim, dtype),
@@ -332,7 +333,7 @@ def ragged_paged_attention_mosaic(
             raise ValueError(f"block_q={block_q!r} must be an int >= 1")
         items = plans.ragged_items(query_start_loc, num_tokens, block_q)
     rows = Q_TILE_ROWS
-    num_subtiles = -(-block_q * group // rows)
+    num_subtiles = cdiv(block_q * group, rows)
     block_k = pages_per_step * block_size
     if num_splits is None:
         num_programs = items.shape[0] * num_kv_heads * num_subtiles

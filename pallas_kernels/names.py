@@ -3,8 +3,9 @@
 Configs and command lines validate against these tuples before any device code loads,
 and the host block manager hands out block ids around the null block, so this module
 holds only plain values: ``Literal`` types, their tuples, the null block's id, the
-decode work list's two sizes, and the jax version the Mosaic GPU kernels need (with the
-pure-string check of it, so a backend check loads no kernel module).
+decode work list's two sizes, ceiling division (blocks of a length, on static ints; the
+host side's ``paged_jax.constants.cdiv`` is this one), and the jax version the Mosaic GPU
+kernels need (with the pure-string check of it, so a backend check loads no kernel module).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ MIN_CHUNK_TOKENS = 512
 MOSAIC_MIN_JAX_VERSION = (0, 11, 2)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of Python ints: blocks needed for `a` tokens of `b` per block."""
+    return -(-a // b)
+
+
 def version_tuple(version: str) -> tuple[int, ...]:
     """A version string's first three numeric parts, e.g. "0.12.0.1" -> (0, 12, 0)."""
     parts = []
@@ -60,6 +66,7 @@ __all__ = [
     "MOSAIC_MIN_JAX_VERSION",
     "mosaic_jax_reason",
     "version_tuple",
+    "cdiv",
     "DECODE_TARGET_PROGRAMS",
     "MIN_CHUNK_TOKENS",
     "NULL_BLOCK_ID",

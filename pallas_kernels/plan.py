@@ -41,6 +41,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.names import DECODE_TARGET_PROGRAMS as TARGET_PROGRAMS
 from pallas_kernels.names import MIN_CHUNK_TOKENS as MIN_CHUNK_TOKENS
+from pallas_kernels.names import cdiv
 
 ITEM_SEQ, ITEM_ROW, ITEM_LO, ITEM_HI = range(4)
 NO_KEY_LIMIT = 2**30  # ITEM_HI of an item that takes its whole causal key range
@@ -93,7 +94,7 @@ def ragged_items(
         q_lens = jnp.where(q_lens == 1, 0, q_lens)
     blocks = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(blocks)
-    num_items = -(-num_tokens // block_q) + num_seqs
+    num_items = cdiv(num_tokens, block_q) + num_seqs
     j = jnp.arange(num_items, dtype=jnp.int32)
     seq = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)  # num_seqs when unused
     seq_c = jnp.minimum(seq, num_seqs - 1)
@@ -114,7 +115,7 @@ def ragged_items(
 
 def num_decode_items(num_seqs: int, num_kv_heads: int) -> int:
     """Static length of a decode work list: one item per sequence plus spare chunks."""
-    return num_seqs + -(-TARGET_PROGRAMS // max(num_kv_heads, 1))
+    return num_seqs + cdiv(TARGET_PROGRAMS, max(num_kv_heads, 1))
 
 
 def decode_items(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pallas_kernels.names import DECODE_TARGET_PROGRAMS, MIN_CHUNK_TOKENS
+from pallas_kernels.names import DECODE_TARGET_PROGRAMS, MIN_CHUNK_TOKENS, cdiv
 
 H200_BYTES_PER_S = 4.8e12  # HBM3e peak, 4.8 TB/s
 INT32_BYTES = 4
@@ -43,10 +43,6 @@ class Traffic:
         if measured_seconds <= 0:
             raise ValueError(f"measured_seconds={measured_seconds!r} must be > 0")
         return self.seconds(bytes_per_s) / measured_seconds
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def visible_keys(context: int, q_len: int, sliding_window: int | None) -> int:
@@ -84,7 +80,7 @@ def attention_traffic(
     kv = 2 * keys * num_kv_heads * head_dim * cache_itemsize  # K and V
     rows = sum(q_lens)
     q_and_out = 2 * rows * num_q_heads * head_dim * q_itemsize
-    pages = sum(_cdiv(c, block_size) for c in seq_lens)
+    pages = sum(cdiv(c, block_size) for c in seq_lens)
     metadata = (pages + 2 * len(seq_lens) + 1) * INT32_BYTES  # tables, lens, query starts
     return Traffic(kv, q_and_out + metadata)
 
@@ -143,9 +139,9 @@ def decode_chunks(
     blocks = []
     for c in contexts:
         lo = 0 if sliding_window is None else max(c - sliding_window, 0)
-        blocks.append(max(_cdiv(c, block_k) - lo // block_k, 0))
-    spare = max(_cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads), 1)
-    chunk = max(max(1, MIN_CHUNK_TOKENS // block_k), _cdiv(sum(blocks), spare))
+        blocks.append(max(cdiv(c, block_k) - lo // block_k, 0))
+    spare = max(cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads), 1)
+    chunk = max(max(1, MIN_CHUNK_TOKENS // block_k), cdiv(sum(blocks), spare))
     return [
         min(chunk, n - i) * block_k for n in blocks for i in range(0, n, chunk)
     ]  # each sequence's chunks, the last one partial
@@ -189,7 +185,7 @@ def predicted_decode_fraction(
         contexts, num_kv_heads=num_kv_heads, block_k=block_k, sliding_window=sliding_window
     )
     group = num_q_heads // num_kv_heads
-    items = len(contexts) + _cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads)  # static list
+    items = len(contexts) + cdiv(DECODE_TARGET_PROGRAMS, num_kv_heads)  # static list
     partial_bytes = 2 * items * num_kv_heads * group * (head_dim + 1) * 4  # write + read
     # Busiest slot under longest-first greedy placement, in bytes of K/V.
     per_key = 2 * head_dim * cache_itemsize

@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass
 
 from pallas_kernels import roofline, tuning
+from pallas_kernels.names import cdiv
 
 DECODE, RAGGED = "paged_decode_attention", "ragged_paged_attention"
 CACHE_DTYPES = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
@@ -230,7 +231,7 @@ class Workload:
         self.head_dim = head_dim
         self.dtype = jnp.dtype(dtype)
         self.q_dtype = jnp.dtype(jnp.bfloat16)
-        per_seq = -(-self.context // BLOCK_SIZE)
+        per_seq = cdiv(self.context, BLOCK_SIZE)
         num_blocks = self.batch * per_seq + 1  # block 0 is the null block
         rng = np.random.default_rng(seed)
         ids = rng.permutation(np.arange(1, num_blocks)).astype(np.int32)

@@ -85,7 +85,8 @@ def run_child(config: dict, args: argparse.Namespace) -> dict:
     import ray
     import ray.data
 
-    from paged_jax.entrypoints.data_parallel import generate_dataset, start_ray
+    from paged_jax.constants import cdiv
+    from paged_jax.entrypoints.data_parallel import DEFAULT_BATCH_SIZE, generate_dataset, start_ray
     from paged_jax.entrypoints.demo_prompts import builtin_prompts
     from paged_jax.sampling_params import SamplingParams
 
@@ -94,7 +95,7 @@ def run_child(config: dict, args: argparse.Namespace) -> dict:
     texts = builtin_prompts(args.num_prompts)
     rows = [{"index": i, "line": i + 1, "prompt": t} for i, t in enumerate(texts)]
     n = config["replicas"]
-    batch = min(64, max(1, -(-len(rows) // (2 * n))))  # as the CLI chooses
+    batch = min(DEFAULT_BATCH_SIZE, max(1, cdiv(len(rows), 2 * n)))  # as the CLI chooses
     out = generate_dataset(
         ray.data.from_items(rows),
         model_dir,

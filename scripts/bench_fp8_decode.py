@@ -26,6 +26,8 @@ import pathlib
 import sys
 import time
 
+from pallas_kernels.names import cdiv
+
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 REHEARSE_SHAPE = dict(batch=2, context=48, q_heads=8, kv_heads=2, head_dim=64)
 CACHES = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
@@ -47,7 +49,7 @@ def make_inputs(batch: int, context: int, q_heads: int, kv_heads: int, head_dim:
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    per_seq = -(-context // BLOCK_SIZE)
+    per_seq = cdiv(context, BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     tables = rng.permutation(np.arange(1, num_blocks))[: batch * per_seq]
     tables = tables.reshape(batch, per_seq).astype(np.int32)
@@ -56,7 +58,7 @@ def make_inputs(batch: int, context: int, q_heads: int, kv_heads: int, head_dim:
     # fill compiles for tens of seconds on a loaded CPU; numpy over the whole pool takes
     # seconds on the device's host).
     nbase = min(num_blocks, 256)
-    reps = -(-num_blocks // nbase)
+    reps = cdiv(num_blocks, nbase)
     k, v = (
         jnp.tile(
             jnp.asarray(rng.standard_normal((nbase, *shape[1:]), np.float32)), (reps, 1, 1, 1)

@@ -60,6 +60,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from pallas_kernels import roofline
+from pallas_kernels.names import cdiv
 
 START = time.monotonic()
 
@@ -139,7 +140,7 @@ class CellGroup:
     def pool_blocks(self) -> tuple[int, int]:
         """(blocks in the pool, blocks the biggest cell must share): what the cells need
         plus the null block, capped so each cache array stays under 4 GiB."""
-        needed = max(b * -(-c // self.heads.block_size) for b, c in self.cells) + 1
+        needed = max(b * cdiv(c, self.heads.block_size) for b, c in self.cells) + 1
         needed = max(needed, self.min_pool_blocks)
         cap = MAX_POOL_ARRAY_BYTES // self.heads.block_bytes()
         return min(needed, cap), max(0, needed - cap)
@@ -283,7 +284,7 @@ def make_pool(heads: Heads, num_blocks: int, seed: int = 0) -> dict:
     nbase = min(num_blocks, POOL_BASE_BLOCKS)
     rng = np.random.default_rng(seed)
     base = jnp.asarray(rng.standard_normal((2, nbase, *shape[1:]), np.float32), heads.dtype)
-    reps = -(-num_blocks // nbase)
+    reps = cdiv(num_blocks, nbase)
 
     @jax.jit
     def tile(base):  # [2, nbase, kv, bs, d] -> the four caches
@@ -302,8 +303,8 @@ def make_tables(rng, contexts: list[int], num_blocks: int, block_size: int = BLO
     import jax.numpy as jnp
     import numpy as np
 
-    needed = [-(-c // block_size) for c in contexts]
-    width = -(-max(needed) // 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
+    needed = [cdiv(c, block_size) for c in contexts]
+    width = cdiv(max(needed), 16) * 16  # JAX's kernel wants pages_per_seq % k_splits == 0
     perm = rng.permutation(np.arange(1, num_blocks))
     ids = perm[np.arange(sum(needed)) % perm.size]
     tables = np.zeros((len(contexts), width), np.int32)
@@ -784,7 +785,7 @@ def previous_reference():  # -> (paged_attention, ragged_paged_attention), jitte
         _, num_kv_heads, block_size, _ = k_cache.shape
         group = num_q_heads // num_kv_heads
         per_chunk = max(1, min(block_rows.shape[1], 128 // block_size))
-        num_chunks = -(-block_rows.shape[1] // per_chunk)
+        num_chunks = cdiv(block_rows.shape[1], per_chunk)
         block_rows = jnp.pad(
             block_rows, ((0, 0), (0, num_chunks * per_chunk - block_rows.shape[1]))
         )
@@ -826,7 +827,7 @@ def previous_reference():  # -> (paged_attention, ragged_paged_attention), jitte
     def tile_groups(q, k_cache, v_cache, tables, seq, pos, per_group, scale):
         n, b, num_q_heads, head_dim = q.shape
         chunk = min(per_group, n)
-        pad = -(-n // chunk) * chunk - n
+        pad = cdiv(n, chunk) * chunk - n
         q_p = jnp.pad(q, ((0, pad), (0, 0), (0, 0), (0, 0))).reshape(
             -1, chunk, b, num_q_heads, head_dim
         )

@@ -74,6 +74,7 @@ import time
 from dataclasses import dataclass
 
 from pallas_kernels import roofline
+from pallas_kernels.names import cdiv
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FULL_OUTPUT = REPO / "docs" / "gpu_compile_h200.json"
@@ -866,7 +867,7 @@ def ptx_buffering(ptx: str) -> dict:
     pending, _ = _outstanding(body, pending)
     _, at_consume = _outstanding(body, pending)
     in_flight = max(at_consume, default=0)
-    async_tiles = -(-in_flight // commits) if commits else 0
+    async_tiles = cdiv(in_flight, commits) if commits else 0
     _, prefetched = _prefetched_loads(body)
     out.update(
         loop_commit_groups=commits,
@@ -1063,7 +1064,7 @@ def kernel_pool_blocks(case: Case) -> int:
 
     block_elems = NUM_KV_HEADS * case.block_size * case.head_dim
     itemsize = np_dtype(case.dtype).itemsize
-    pages = -(-case.context // case.block_size)
+    pages = cdiv(case.context, case.block_size)
     blocks = min(max(case.batch * pages, 64), POOL_BYTES // (2 * block_elems * itemsize)) + 1
     return max_offset_safe_blocks(block_elems, itemsize, blocks)
 
@@ -1073,7 +1074,7 @@ def kernel_fn_and_args(case: Case, t: Target):
     import pallas_kernels as pk
 
     bs, d, kv = case.block_size, case.head_dim, NUM_KV_HEADS
-    pages = -(-case.context // bs)
+    pages = cdiv(case.context, bs)
     cache = t.spec((kernel_pool_blocks(case), kv, bs, d), case.dtype)
     kw = dict(scale=d**-0.5, sliding_window=case.sliding_window, soft_cap=case.soft_cap)
     if case.num_splits:

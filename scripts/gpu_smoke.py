@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from pallas_kernels.names import cdiv
+
 # Output tolerance vs the reference: bf16 outputs of magnitude ~1 round at 2^-8, and the
 # kernel feeds bf16 probabilities to p @ V (tests/pallas_kernels/pk_testing.py's TOL).
 MAX_ABS_ERR = 3e-2
@@ -100,7 +102,7 @@ def decode_check(rehearse: bool) -> dict:
 
     seq_lens, num_kv_heads, group, head_dim, block_size = REHEARSE_CASE if rehearse else DEVICE_CASE
     rng = np.random.default_rng(0)
-    per_seq = [-(-n // block_size) for n in seq_lens]
+    per_seq = [cdiv(n, block_size) for n in seq_lens]
     width = max(per_seq) + 1
     num_blocks = 1 + sum(per_seq)
     ids = rng.permutation(np.arange(1, num_blocks))  # scattered pages, 0 = null block pads
