@@ -17,7 +17,7 @@ import itertools
 import pathlib
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from paged_jax.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
@@ -404,7 +404,10 @@ class LLM:
                 raise ValueError(f"prompt key {unknown[0]!r} must be one of {_PROMPT_KEYS}")
             text = prompt.get("prompt")
             if "prompt_token_ids" in prompt:
-                return text, list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
+                    raise ValueError(f"prompt_token_ids={ids!r} must be a list of token ids")
+                return text, list(ids)
             if not isinstance(text, str):
                 raise ValueError(f"prompt={prompt!r} must hold 'prompt' or 'prompt_token_ids'")
             prompt = text
@@ -456,25 +459,37 @@ class LLM:
 
     def beam_search(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int] | Mapping[str, Any]],
         params: BeamSearchParams,
     ) -> list[BeamSearchOutput]:
         """Beam search per prompt (vLLM's LLM.beam_search); beams share KV blocks by forks.
 
-        Returns one BeamSearchOutput per prompt, in order, whose ``sequences`` are the
-        beam_width best beams, best first. See paged_jax.beam_search for semantics.
+        Prompts take the forms generate takes: a string, a list of token ids, a dict
+        with "prompt" and/or "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), or a
+        list of these. Returns one BeamSearchOutput per prompt, in order, whose
+        ``sequences`` are the beam_width best beams, best first. See
+        paged_jax.beam_search for semantics.
+
+        Raises:
+            ValueError: a bad prompt (the message starting with its index, ``prompts[3]:
+                ...``) or params; nothing is run in that case.
         """
         prompts, params = self._from_primary(prompts, params)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} must be a BeamSearchParams")
-        ids = [self.encode(p) if isinstance(p, str) else p for p in self._as_prompt_list(prompts)]
-        for i, p in enumerate(ids):
-            bad = [t for t in p if not 0 <= t < self.engine.vocab_size]
-            if bad or not p:
+        vocab_size = self.engine.vocab_size
+        ids = []
+        for i, prompt in enumerate(self._as_prompt_list(prompts)):
+            try:
+                _, p = self._prompt_ids(prompt)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+            if not p or not all(is_int(t) and 0 <= t < vocab_size for t in p):
                 raise ValueError(
-                    f"prompts[{i}]={p!r} must be a non-empty list of token ids < vocab_size="
-                    f"{self.engine.vocab_size}"
+                    f"prompts[{i}]={p!r} must be a non-empty list of token ids >= 0 and "
+                    f"< vocab_size={vocab_size}"
                 )
+            ids.append(p)
         with self._locked():
             return run_beam_search(self.engine, ids, params, decode=self.decode)
 
