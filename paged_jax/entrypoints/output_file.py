@@ -6,7 +6,8 @@ A crash leaves the old file (if any) untouched and the records written so far in
 moves a leftover `.partial` aside (`.partial.1`, `.partial.2`, ...) instead of
 truncating it. Files are created without following symlinks (O_EXCL | O_NOFOLLOW), a
 symlinked or non-regular target is refused, and a commit fsyncs the file before the
-rename and the directory after it. Host module.
+rename and the directory after it. A write that fails (a full disk) is taken back to the
+last whole record, so the `.partial` file always holds whole records. Host module.
 """
 
 from __future__ import annotations
@@ -110,8 +111,18 @@ def fsync_directory(directory: pathlib.Path) -> None:
         os.close(fd)
 
 
+class OutputWriteError(OSError):
+    """The output file cannot be written (a full disk, an I/O error): one line naming the
+    flag, the file and the system's reason. The records before it are whole on disk."""
+
+
 class JsonlStream:
     """Appends one JSON line per record to `<target>.partial`; commit() renames it.
+
+    Each record is one unbuffered write of its whole line. When a write fails (a full
+    disk cuts it short, then fails), the file is truncated back to the end of the last
+    whole record and the stream refuses every later write with the same error: a reader
+    of the `.partial` file never meets half a record.
 
     Args:
         path: the final output file.
@@ -119,6 +130,8 @@ class JsonlStream:
 
     Attributes:
         moved_aside: where a leftover `.partial` of an earlier run was moved, or None.
+        num_records: whole records in the file.
+        error: the OutputWriteError that stopped the stream, or None.
 
     Raises:
         ValueError: the file cannot be created (checked at construction, before any
@@ -127,29 +140,54 @@ class JsonlStream:
 
     def __init__(self, path: str | os.PathLike, flag: str = "--output"):
         self.target = check_writable(path, flag)
+        self.flag = flag
         self.partial = self.target.with_name(self.target.name + ".partial")
         try:
             # A previous run's salvage is never truncated; a symlink there is moved too,
             # so its target is never written.
             self.moved_aside = move_aside(self.partial)
-            fd = os.open(self.partial, _CREATE_FLAGS, 0o666)
+            self._fd: int | None = os.open(self.partial, _CREATE_FLAGS, 0o666)
         except OSError as err:
             raise ValueError(f"{flag}={str(path)!r} cannot be written: {err}") from err
-        self._file = os.fdopen(fd, "w", encoding="utf-8")
         self.num_records = 0
+        self.error: OutputWriteError | None = None
+        self._num_bytes = 0  # the end of the last whole record
 
     def write(self, record: dict[str, Any]) -> None:
-        """Writes and flushes one record (it is on disk when this returns)."""
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._file.flush()
+        """Writes one record (handed to the OS when this returns).
+
+        Raises:
+            OutputWriteError: the record could not be written whole; the file keeps the
+                records before it (and so does every later call).
+        """
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        self._check_open()
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as err:
+            with contextlib.suppress(OSError):  # truncating frees space: it can succeed
+                os.ftruncate(self._fd, self._num_bytes)
+            self._fail(err)
+        self._num_bytes += len(data)
         self.num_records += 1
 
     def commit(self) -> pathlib.Path:
-        """Closes the stream and atomically replaces the target with it (fsynced)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        os.replace(self.partial, self.target)
+        """Closes the stream and atomically replaces the target with it (fsynced).
+
+        Raises:
+            OutputWriteError: the stream failed earlier, or the file could not be
+                flushed to the disk or renamed (it stays `.partial`).
+        """
+        self._check_open()
+        try:
+            os.fsync(self._fd)
+            self._close()
+            os.replace(self.partial, self.target)
+        except OSError as err:
+            self._close()
+            self._fail(err)
         fsync_directory(self.target.parent)
         return self.target
 
@@ -160,13 +198,31 @@ class JsonlStream:
             The .partial file, or None when no record was written (the empty file this
             stream created is removed then).
         """
-        if not self._file.closed:
-            self._file.close()
+        self._close()
         if self.num_records == 0:
             with contextlib.suppress(OSError):
                 self.partial.unlink()
             return None
         return self.partial
+
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise self.error
+        assert self._fd is not None, "bug: JsonlStream used after commit() or close_partial()"
+
+    def _close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):  # nothing is buffered here to lose
+                os.close(fd)
+
+    def _fail(self, err: OSError) -> None:
+        reason = err.strerror or str(err) or type(err).__name__
+        self.error = OutputWriteError(
+            f"{self.flag}={str(self.target)!r}: {self.partial} cannot be written: {reason}"
+        )
+        self.error.errno = err.errno
+        raise self.error from err
 
 
 def write_json_atomic(path: str | os.PathLike, value: Any, flag: str = "--summary-json") -> None:
