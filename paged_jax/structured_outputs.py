@@ -44,9 +44,14 @@ constrained row waits for the previous step's tokens before it is packed.
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import dataclasses
 import json as jsonlib
 import os
+import re
+import reprlib
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -57,10 +62,12 @@ from paged_jax.constants import cdiv, is_int
 
 __all__ = [
     "BITS_PER_WORD",
+    "CACHE_BYTES_ENV",
     "CacheInfo",
     "CompiledGrammar",
     "ConstraintKind",
     "GrammarCompiler",
+    "MAX_SCHEMA_DEPTH",
     "Matcher",
     "StructuredOutputsParams",
     "allocate_bitmask",
@@ -70,9 +77,30 @@ __all__ = [
 
 BITS_PER_WORD = 32
 DEFAULT_CACHE_SIZE = 256
+# The grammar cache's byte budget: this environment variable, else 1 GiB.
+CACHE_BYTES_ENV = "PAGED_JAX_GRAMMAR_CACHE_BYTES"
+DEFAULT_CACHE_BYTES = 2**30
+# Most nested objects and arrays in a JSON schema's text. The backend reads its grammar with
+# serde_json, which refuses more than 128 levels, and wraps the schema in 3 of them
+# (``{"grammars": [{"json_schema": ...}]}``); one more is left spare. Checked at
+# construction, before json.dumps or the backend recurse into the schema.
+MAX_SCHEMA_DEPTH = 124
+# Levels a schema's depth is counted to before it is called "more than" this (a dict that
+# contains itself would otherwise be walked forever).
+_DEPTH_COUNT_CAP = 100_000
 # Values longer than this (a large schema) are shortened in error messages.
 _MAX_VALUE_CHARS = 200
-_MAX_BACKEND_MESSAGE_CHARS = 400
+# The backend's reason, made one line, is cut to this many characters.
+_MAX_BACKEND_MESSAGE_CHARS = 200
+# Allowed first tokens tried on a copy of the start state at compile time: the parser's row
+# limit bites when a token leaves too many alternatives alive, most often a short one (a
+# byte-level BPE numbers its single bytes first), so the lowest ids go first.
+_PROBE_LOWEST_TOKENS = 16
+_PROBE_SPREAD_TOKENS = 16
+# Without glibc's allocator statistics, an entry is counted as this multiple of its text
+# (the key's and the grammar's): the ratio measured for a large schema with few
+# alternatives. Grammars of many alternatives build lexers several times larger.
+_FALLBACK_BYTES_PER_TEXT_BYTE = 4
 
 ConstraintKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 _FIELDS: tuple[str, ...] = ("json", "json_object", "regex", "choice", "grammar")
@@ -86,13 +114,107 @@ _EXPECTED_BY_BACKEND = {
 }
 
 
+def _bounded_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxlevel = 6
+    r.maxdict = r.maxlist = r.maxtuple = r.maxset = r.maxfrozenset = 32
+    r.maxstring = r.maxother = r.maxlong = _MAX_VALUE_CHARS
+    return r
+
+
+# Bounded in depth and width, so a huge or deeply nested value costs little to show.
+_REPR = _bounded_repr()
+
+
 def _short(value: object) -> str:
-    text = repr(value)
+    try:
+        text = _REPR.repr(value)
+    except RecursionError:  # a container type reprlib does not know, nested too deeply
+        text = f"<{type(value).__name__} nested too deeply to show>"
     return text if len(text) <= _MAX_VALUE_CHARS else text[:_MAX_VALUE_CHARS] + "..."
 
 
 def _field_error(owner: str, name: str, value: object, expected: str) -> ValueError:
     return ValueError(f"{owner}.{name}={_short(value)} must be {expected}")
+
+
+def _too_deep(owner: str, depth: int) -> ValueError:
+    levels = f"more than {_DEPTH_COUNT_CAP}" if depth > _DEPTH_COUNT_CAP else str(depth)
+    return ValueError(
+        f"{owner}.json: the schema nests {levels} levels of objects and arrays; at most "
+        f"{MAX_SCHEMA_DEPTH} are supported (the grammar backend's limit)"
+    )
+
+
+def _nesting_depth(value: object) -> int:
+    """Most nested dicts and lists in ``value`` (a scalar: 0), counted level by level
+    (no recursion); past ``_DEPTH_COUNT_CAP`` levels the count stops there + 1."""
+    depth = 0
+    level = [value] if isinstance(value, Mapping | list | tuple) else []
+    while level and depth <= _DEPTH_COUNT_CAP:
+        depth += 1
+        below: dict[int, object] = {}  # by id: a value shared within one level counts once
+        for v in level:
+            for c in v.values() if isinstance(v, Mapping) else v:
+                if type(c) not in _SCALAR_TYPES and isinstance(c, Mapping | list | tuple):
+                    below[id(c)] = c
+        level = list(below.values())
+    return depth
+
+
+_SCALAR_TYPES = frozenset({str, int, float, bool, type(None)})
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _text_depth(text: str) -> int:
+    """Most nested objects and arrays in JSON text (brackets inside strings do not count)."""
+    depth = deepest = 0
+    for m in _JSON_TOKEN.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in "]}":
+            depth -= 1
+    return deepest
+
+
+# Lines of a backend message that only point at its source: carets, and "   1 | start: ...".
+_POINTER_LINE = re.compile(r"\s*[\^~]+\s*")
+_SOURCE_LINE = re.compile(r"\s*\d+ \| ")
+# Where the backend's message turns into a parser-state dump or a backtrace.
+_DUMP_MARKERS = ("<state>", "<non-verbose/>", "<backtrace>", "<grammar>")
+# Stop reasons the backend gives as its whole message, in words.
+_STOP_REASONS = {
+    "NoExtensionBias": "the grammar allows no output (no token can start or continue it)",
+    "NoExtension": "the grammar allows no output (no token can start or continue it)",
+}
+
+
+def _one_line(message: str) -> str:
+    """The backend's error as one line: the reason, without its caret diagrams (and the
+    source lines they point at), parser-state dumps or backtraces, cut to ~200 chars."""
+    for marker in _DUMP_MARKERS:
+        cut = message.find(marker)
+        if cut >= 0:
+            message = message[:cut]
+    lines = message.splitlines()
+    kept = []
+    for i, line in enumerate(lines):
+        pointed_at = i + 1 < len(lines) and _POINTER_LINE.fullmatch(lines[i + 1])
+        if (
+            not line.strip()
+            or _POINTER_LINE.fullmatch(line)
+            or _SOURCE_LINE.match(line)
+            or pointed_at
+        ):
+            continue
+        kept.append(" ".join(line.split()))
+    text = " ".join(kept).strip()
+    text = _STOP_REASONS.get(text, text) or "the grammar backend refused it (no reason given)"
+    if len(text) > _MAX_BACKEND_MESSAGE_CHARS:
+        text = text[:_MAX_BACKEND_MESSAGE_CHARS] + "..."
+    return text
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -220,15 +342,20 @@ class StructuredOutputsParams:
                     raise _field_error(
                         owner, "json", value, f"a JSON schema (a dict or valid JSON text): {e}"
                     ) from None
+                except RecursionError:
+                    raise _too_deep(owner, _text_depth(value)) from None
             elif isinstance(value, Mapping):
                 schema = value
             else:
                 raise _field_error(owner, "json", value, "a JSON schema: a dict or its JSON text")
             if not isinstance(schema, Mapping):
                 raise _field_error(owner, "json", value, "a JSON schema holding an object")
+            depth = _nesting_depth(schema)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise _too_deep(owner, depth)
             try:
                 text = jsonlib.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, RecursionError) as e:
                 raise _field_error(
                     owner, "json", value, f"a JSON schema of JSON-serializable values: {e}"
                 ) from None
@@ -280,6 +407,8 @@ class CacheInfo(NamedTuple):
     misses: int
     size: int
     max_size: int
+    bytes: int
+    max_bytes: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -293,6 +422,11 @@ class CompiledGrammar:
         vocab_size: the model's vocabulary size V.
         eos_token_ids: the ids that end the output.
         compile_s: seconds the compile took, the first mask included.
+        num_bytes: the memory the grammar cache counts for it: the key's text plus what
+            the compile allocated and kept (the grammar's text, the backend's grammar,
+            lexer and start state), measured with glibc's allocator statistics, at least
+            the grammar's text; without glibc, 4x the key's and the grammar's text. States
+            the backend's lexer adds later, as matchers advance, are not counted.
     """
 
     key: tuple
@@ -301,6 +435,7 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: frozenset[int]
     compile_s: float
+    num_bytes: int = 0
 
     @property
     def num_words(self) -> int:
@@ -319,6 +454,7 @@ class Matcher:
         self.grammar = grammar
         self._ll = backend_matcher
         self._tokens = tokens
+        self._refusal: str | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -332,8 +468,10 @@ class Matcher:
 
     @property
     def error(self) -> str | None:
-        """The backend's error (a grammar that hit a parser limit), or None."""
-        return self._ll.get_error() or None
+        """The backend's error in one line (a grammar that hit a parser limit), or None:
+        also the reason the last token was refused, when the backend gave one."""
+        message = self._ll.get_error()
+        return _one_line(message) if message else self._refusal
 
     def fill_bitmask(self, words_row: np.ndarray) -> None:
         """Writes the allowed next tokens into ``words_row``, i32[W] (C-contiguous).
@@ -366,8 +504,11 @@ class Matcher:
         elif ll.validate_tokens([token]) != 1:
             return False
         if not ll.consume_token(token):  # validated above; only a backend limit gets here
+            message = ll.get_error()
+            self._refusal = _one_line(message) if message else None
             self._ll = self._rebuilt(self._tokens)
             return False
+        self._refusal = None
         self._tokens.append(token)
         return True
 
@@ -459,7 +600,12 @@ class GrammarCompiler:
 
     Built once per engine (reading the vocabulary takes ~0.4 s for 32k tokens). Each
     distinct constraint (``StructuredOutputsParams.key``) compiles once; the cache keeps
-    the ``cache_size`` most recently used.
+    the most recently used, at most ``cache_size`` of them and at most ``cache_bytes``
+    bytes (each entry counted as ``CompiledGrammar.num_bytes``; one larger than the whole
+    budget is compiled but not kept). The backend's parser limits are its defaults (a row
+    of at most 2000 items, among others); a constraint over them is refused at compile
+    time when its start state or a first token shows it, and otherwise refuses the token
+    that reaches the limit (``Matcher.error`` says why).
 
     Args:
         tokenizer: the checkpoint's ``tokenizers.Tokenizer``, or its tokenizer.json path.
@@ -468,6 +614,8 @@ class GrammarCompiler:
         vocab_size: the model's vocabulary V (logits width), >= the tokenizer's ids;
             default the tokenizer's.
         cache_size: most compiled grammars kept.
+        cache_bytes: most bytes of compiled grammars kept; None reads the
+            ``PAGED_JAX_GRAMMAR_CACHE_BYTES`` environment variable, default 1 GiB.
         num_threads: threads ``fill_bitmasks`` spreads a step's rows over (None: 80% of
             this process's CPUs, at most 32). With one, rows are filled in turn: the
             backend's thread pool costs more than it saves on a machine that small.
@@ -480,6 +628,7 @@ class GrammarCompiler:
         eos_token_ids: Sequence[int],
         vocab_size: int | None = None,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        cache_bytes: int | None = None,
         num_threads: int | None = None,
     ) -> None:
         owner = type(self).__name__
@@ -510,6 +659,10 @@ class GrammarCompiler:
             )
         if not is_int(cache_size) or cache_size < 1:
             raise _field_error(owner, "cache_size", cache_size, "an int >= 1")
+        if cache_bytes is None:
+            cache_bytes = _cache_bytes_from_env()
+        elif not is_int(cache_bytes) or cache_bytes < 1:
+            raise _field_error(owner, "cache_bytes", cache_bytes, "None or an int >= 1")
         if num_threads is not None and (not is_int(num_threads) or num_threads < 1):
             raise _field_error(owner, "num_threads", num_threads, "None or an int >= 1")
         llg = _load_backend()
@@ -522,19 +675,30 @@ class GrammarCompiler:
                 owner, "tokenizer", tokenizer, f"a tokenizer the grammar backend reads: {e}"
             ) from None
         self._llg = llg
+        # Errors without the parser-state dump and grammar echo (other limits: defaults).
+        self._limits = llg.LLParserLimits(verbose_errors=False)
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
         self.num_words = bitmask_width(vocab_size)
         self._cache: collections.OrderedDict[tuple, CompiledGrammar] = collections.OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._bytes = 0
         self._hits = 0
         self._misses = 0
         self.num_threads = _default_num_threads() if num_threads is None else num_threads
         self._executor = None
 
     def cache_info(self) -> CacheInfo:
-        """Hits, misses and size of the grammar cache."""
-        return CacheInfo(self._hits, self._misses, len(self._cache), self._cache_size)
+        """Hits, misses, entries and bytes of the grammar cache."""
+        return CacheInfo(
+            self._hits,
+            self._misses,
+            len(self._cache),
+            self._cache_size,
+            self._bytes,
+            self._cache_bytes,
+        )
 
     def compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """The constraint's compiled grammar, from the cache when its key was seen.
@@ -554,8 +718,10 @@ class GrammarCompiler:
         self._misses += 1
         compiled = self._compile_uncached(params)
         self._cache[key] = compiled
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
+        self._bytes += compiled.num_bytes
+        while len(self._cache) > self._cache_size or self._bytes > self._cache_bytes:
+            _, evicted = self._cache.popitem(last=False)  # least recently used first
+            self._bytes -= evicted.num_bytes
         return compiled
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
@@ -621,38 +787,136 @@ class GrammarCompiler:
     def _compile_uncached(self, params: StructuredOutputsParams) -> CompiledGrammar:
         kind = params.kind
         field = "json" if kind == "json_object" else kind
-        value = getattr(params, kind)
+        before = _allocated_bytes()
         start = time.perf_counter()
         try:
             grammar = self._backend_grammar(params)
-            initial = self._llg.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
-            message = initial.get_error()
-            if not message:
-                # The first mask builds the lexer's start states: counted as compile time,
-                # and a grammar over the backend's limits fails here, at submission.
-                scratch = np.empty(self.num_words, np.int32)
-                initial.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
-                message = initial.get_error()
-        except ValueError as e:
-            message = str(e)
+            initial = self._llg.LLMatcher(
+                self._ll_tokenizer, grammar, log_level=0, limits=self._limits
+            )
+            message = initial.get_error() or self._first_token_error(initial)
+        except BaseException as e:
+            # ValueError from the grammar builders; RecursionError or a Rust panic (pyo3's
+            # PanicException derives from BaseException) from a hostile constraint.
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise
+            message = str(e) or type(e).__name__
         if message:
-            message = message.strip()
-            if len(message) > _MAX_BACKEND_MESSAGE_CHARS:
-                message = message[:_MAX_BACKEND_MESSAGE_CHARS] + "..."
             raise _field_error(
                 "StructuredOutputsParams",
-                kind if kind != "json_object" else field,
-                value,
-                f"{_EXPECTED_BY_BACKEND[kind]}: {message}",
+                field,
+                getattr(params, kind),
+                f"{_EXPECTED_BY_BACKEND[kind]}: {_one_line(message)}",
             )
+        compile_s = time.perf_counter() - start
+        after = _allocated_bytes()
+        key_bytes = sys.getsizeof(params.key[1])
+        grammar_bytes = sys.getsizeof(grammar)
+        if before is None or after is None:
+            num_bytes = _FALLBACK_BYTES_PER_TEXT_BYTE * (key_bytes + grammar_bytes)
+        else:
+            num_bytes = key_bytes + max(after - before, grammar_bytes)
         return CompiledGrammar(
             key=params.key,
             grammar=grammar,
             initial=initial,
             vocab_size=self.vocab_size,
             eos_token_ids=frozenset(self.eos_token_ids),
-            compile_s=time.perf_counter() - start,
+            compile_s=compile_s,
+            num_bytes=num_bytes,
         )
+
+    def _first_token_error(self, initial: Any) -> str:
+        """The backend's error from the first mask, or from consuming one of the first
+        allowed tokens on a copy; "" when none.
+
+        The first mask builds the lexer's start states (counted as compile time). A
+        grammar over the parser's row limit (more than 2000 alternatives alive) passes it
+        and fails at the first token, so some first tokens are tried here: a request that
+        could never take a token is refused at submission with the backend's reason.
+        """
+        words = np.empty(self.num_words, np.int32)
+        initial.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        message = initial.get_error()
+        if message:
+            return message
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        allowed = np.setdiff1d(np.flatnonzero(bits), list(self.eos_token_ids))
+        if allowed.size == 0:
+            return ""
+        spread = np.linspace(0, allowed.size - 1, _PROBE_SPREAD_TOKENS).astype(np.int64)
+        picks = np.union1d(allowed[:_PROBE_LOWEST_TOKENS], allowed[spread])
+        for token in picks.tolist():
+            probe = initial.deep_copy()
+            if not probe.consume_token(token):
+                message = probe.get_error()
+                if message:
+                    return message
+        return ""
+
+
+def _cache_bytes_from_env() -> int:
+    value = os.environ.get(CACHE_BYTES_ENV, "")
+    if not value.strip():
+        return DEFAULT_CACHE_BYTES
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ValueError(
+            f"${CACHE_BYTES_ENV}={value!r} must be an int >= 1: the grammar cache's most "
+            f"bytes (unset: {DEFAULT_CACHE_BYTES}, 1 GiB)"
+        )
+    return number
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _load_mallinfo2() -> Any:
+    """glibc's ``mallinfo2`` (2.33+), or None (another C library or platform)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+_MALLINFO2: Any = None
+_MALLINFO2_LOADED = False
+
+
+def _allocated_bytes() -> int | None:
+    """Bytes this process holds from malloc (the backend's Rust code allocates there too),
+    or None where glibc's statistics are not available."""
+    global _MALLINFO2, _MALLINFO2_LOADED
+    if not _MALLINFO2_LOADED:
+        _MALLINFO2, _MALLINFO2_LOADED = _load_mallinfo2(), True
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks) + int(info.hblkhd)
 
 
 class StructuredOutputs:

@@ -291,6 +291,10 @@ def params_for(base: SamplingParams, line: PromptLine) -> SamplingParams:
         return dataclasses.replace(base, **overrides)
     except (ValueError, TypeError) as err:
         raise ValueError(f"line {line.line}: {err}") from err
+    except RecursionError:  # a value nested deeper than Python can walk: the line's error
+        raise ValueError(
+            f"line {line.line}: a SamplingParams value is nested too deeply to read"
+        ) from None
 
 
 def constraint_of(value: Any) -> StructuredOutputsParams | None:
