@@ -52,7 +52,18 @@ class EngineConfig:
         num_kv_blocks: KV blocks in the pool, the null block included. None sizes
             the pool from kv_cache_memory (or a default, see Runner).
         kv_cache_memory: KV budget: bytes (int) or a fraction in (0, 1] of the
-            device memory left free after the weights (vLLM's gpu_memory_utilization).
+            device memory left free after the weights.
+        gpu_memory_utilization: vLLM's setting: the fraction in (0, 1] of the device's
+            memory this engine may use for its weights, KV cache and activations; the
+            KV pool gets that share less the weights and an activation estimate (see
+            paged_jax.worker.runner.resolve_num_kv_blocks). "The device's memory" is
+            what jax's allocator may use (memory_stats' bytes_limit: on GPU
+            XLA_PYTHON_CLIENT_MEM_FRACTION of it, 75% by default). A ValueError when
+            that share cannot hold the weights, activations and 2 blocks, or when other
+            arrays leave less free than it asks. On CPU, which reports no device
+            memory, it is ignored with a warning and the pool is sized as without it
+            (vLLM's CPU backend ignores it too). Not with kv_cache_memory or
+            num_kv_blocks (set one of them).
         max_num_seqs: most requests scheduled in one step.
         max_num_batched_tokens: token budget of one step (chunked prefill splits
             longer prompts across steps).
@@ -115,6 +126,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | float | None = None
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -159,6 +171,19 @@ class EngineConfig:
                 fail(self, "kv_cache_memory", "a positive number of bytes when given as an int")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             fail(self, "kv_cache_memory", "None when num_kv_blocks is given (set one of them)")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None:
+            if not is_number(utilization) or not 0.0 < utilization <= 1.0:
+                fail(self, "gpu_memory_utilization", "None or a fraction in (0, 1]")
+            object.__setattr__(self, "gpu_memory_utilization", float(utilization))
+            for other in ("kv_cache_memory", "num_kv_blocks"):
+                if getattr(self, other) is not None:
+                    fail(
+                        self,
+                        "gpu_memory_utilization",
+                        f"None when {other}={getattr(self, other)!r} is given (set one of "
+                        "them: both size the KV pool)",
+                    )
         if not is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             fail(self, "max_num_seqs", "an int >= 1")
         if (

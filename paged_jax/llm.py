@@ -17,6 +17,7 @@ import itertools
 import pathlib
 import threading
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,12 @@ from paged_jax.compile_cache import (
 )
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN, is_int
-from paged_jax.distributed import broadcast_from_primary, is_primary, settings_from
+from paged_jax.distributed import (
+    broadcast_from_primary,
+    check_same_config,
+    is_primary,
+    settings_from,
+)
 from paged_jax.distributed import initialize as initialize_distributed
 from paged_jax.engine import Engine
 from paged_jax.model_api import PagedModel, check_paged_model
@@ -60,6 +66,28 @@ def _dtype_name(dtype: Any) -> str:
         return getattr(dtype, "__name__", str(dtype))
 
 
+# vLLM's LLM(...) switches whose meaning does not carry over: why each is ignored.
+_IGNORED_VLLM_SWITCHES = {
+    "enforce_eager": "the engine always compiles its step (one jitted program per step "
+    "shape, built at warm-up)",
+    "trust_remote_code": "paged_jax never runs code from a checkpoint (its architectures "
+    "are implemented here)",
+}
+
+
+def _accept_vllm_switches(**switches: Any) -> None:
+    """Checks vLLM's bool switches; warns once for each one set to True (it is ignored)."""
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a bool")
+        if value:
+            warnings.warn(
+                f"{name}=True is ignored: {_IGNORED_VLLM_SWITCHES[name]}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 class LLM:
     """Loads a checkpoint (or takes your model) and serves batches of prompts through the engine.
 
@@ -81,8 +109,13 @@ class LLM:
             (and as in transformers and vLLM), it sees the checkpoint's special tokens
             ({{ bos_token }}, {{ eos_token }}, ...: tokenizer_config.json, else
             special_tokens_map.json); with a model object there are none.
+        enforce_eager: vLLM's switch, accepted and ignored (True warns once): the
+            engine always runs its step as one compiled program.
+        trust_remote_code: vLLM's switch, accepted and ignored (True warns once): no
+            checkpoint code is ever run (every architecture is implemented here).
         **engine_args: EngineConfig fields (block_size, num_kv_blocks, kv_cache_memory,
-            max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
+            gpu_memory_utilization (vLLM's: the share of the device's memory for
+            weights + KV cache + activations; ignored with a warning on CPU), max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
             seed, hash_algo, tensor_parallel_size). ``kv_cache_dtype="fp8_e4m3"`` (or
             "fp8_e5m2") stores the KV cache in fp8 with the checkpoint's k_scale/v_scale,
@@ -112,8 +145,11 @@ class LLM:
         warmup: bool = True,
         compile_cache: bool | str | pathlib.Path = False,
         chat_template: str | None = None,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
         **engine_args: Any,
     ):
+        _accept_vllm_switches(enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
         unknown = sorted(set(engine_args) - _ENGINE_FIELDS)
         if unknown:
             raise ValueError(
@@ -124,6 +160,7 @@ class LLM:
         job = settings_from(config)
         if job is not None:  # join the job before anything asks jax for a device
             initialize_distributed(job)
+            check_same_config(config)  # engines sized alike, or one line on every process
         # With several processes, process 0's inputs are every process's (admission).
         self.is_multiprocess = job is not None
         from pallas_kernels.backend import check_backend

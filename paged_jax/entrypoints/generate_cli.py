@@ -150,6 +150,11 @@ ENGINE_FLAGS = {
         "KV budget: bytes (> 1) or a fraction of free device memory (<= 1) (default: 0.9 "
         "on accelerators; on CPU room for --max-num-seqs full-length sequences, at most 1 GiB)"
     ),
+    "gpu_memory_utilization": Flag(
+        "vLLM's: the fraction in (0, 1] of device memory for weights + KV cache + "
+        "activations; the KV pool gets what the weights and activations leave (ignored "
+        "on CPU; instead of --kv-cache-memory)"
+    ),
     "max_num_seqs": Flag(
         "most sequences per step (default: sized to the job, at most "
         f"{_DEFAULT_ENGINE.max_num_seqs})",

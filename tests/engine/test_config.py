@@ -90,3 +90,27 @@ def test_tensor_parallel_size_defaults_to_one_and_is_validated():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match=rf"tensor_parallel_size={bad!r} must be an int >= 1"):
             EngineConfig(tensor_parallel_size=bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (0.0, r"gpu_memory_utilization=0\.0 must be None or a fraction in \(0, 1\]"),
+        (1.5, r"gpu_memory_utilization=1\.5 must be None or a fraction in \(0, 1\]"),
+        ("0.9", r"gpu_memory_utilization='0\.9' must be None or a fraction in \(0, 1\]"),
+        (True, r"gpu_memory_utilization=True must be None or a fraction in \(0, 1\]"),
+    ],
+)
+def test_gpu_memory_utilization_is_a_fraction(value, match):
+    # vLLM's share of the device's memory (issue 38 item 13).
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(gpu_memory_utilization=value)
+    assert EngineConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1.0
+    assert EngineConfig(gpu_memory_utilization=0.9).gpu_memory_utilization == 0.9
+
+
+def test_gpu_memory_utilization_and_kv_cache_memory_are_one_or_the_other():
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.9.*kv_cache_memory=0\.5"):
+        EngineConfig(gpu_memory_utilization=0.9, kv_cache_memory=0.5)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0\.9.*num_kv_blocks=8"):
+        EngineConfig(gpu_memory_utilization=0.9, num_kv_blocks=8)
