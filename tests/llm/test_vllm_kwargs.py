@@ -123,3 +123,18 @@ def test_activation_estimate_grows_with_the_step_and_the_vocabulary():
     assert 0 < estimate < activation_bytes_estimate(more_tokens, Cfg())
     Cfg.vocab_size = 100_000
     assert activation_bytes_estimate(small, Cfg()) > estimate
+
+
+def test_cli_gpu_memory_utilization_flag_is_checked_before_loading(tmp_path, capsys):
+    # The flag comes with the EngineConfig field; with --kv-cache-memory it is exit 2.
+    from paged_jax.entrypoints.generate_cli import build_parser
+    from paged_jax.entrypoints.generate_cli import main as generate_main
+
+    assert (
+        build_parser().parse_args(["--gpu-memory-utilization", "0.8"]).gpu_memory_utilization == 0.8
+    )
+    args = ["--model", str(tmp_path), "--gpu-memory-utilization", "0.8"]
+    assert generate_main([*args, "--kv-cache-memory", "0.5", "--no-tqdm"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"gpu_memory_utilization=0\.8 must be None when kv_cache_memory=0\.5", err)
+    assert "Traceback" not in err
