@@ -1047,6 +1047,13 @@ class StructuredOutputs:
                 ended.append(req_id)
         return refused, ended
 
+    def refusal_reason(self, request_id: str) -> str | None:
+        """Why the grammar of ``request_id`` refused its last token, in one line, when the
+        backend said (a parser limit reached); None for a plain refusal (the token is not
+        in the grammar) or an unconstrained request. Read it before the request ends."""
+        matcher = self.matchers.get(request_id)
+        return None if matcher is None else matcher.error
+
     def replay(self, requests: Sequence[Any]) -> None:
         """After a rolled-back step: a grammar past tokens that were dropped starts over
         from its request's outputs."""

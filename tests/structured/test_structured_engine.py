@@ -157,6 +157,21 @@ def test_an_invalid_regex_fails_only_its_request(llms):
     assert results[0].error is None and len(results[0].outputs[0].token_ids) == 4
 
 
+def test_too_many_choices_fail_only_their_request_at_submission(llms):
+    # Over llguidance's 2000-item parser row: refused at submission with the backend's
+    # reason (before: accepted, then "the sampled token ... is not allowed" at its first
+    # token). The same strings as a JSON enum generate.
+    llm = llms["async"]
+    words = [f"w{i}" for i in range(2001)]
+    bad = _params(StructuredOutputsParams(choice=words))
+    enum = _params(StructuredOutputsParams(json={"enum": words}, disable_any_whitespace=True))
+    results = dict(llm.generate_iter(["x", "y", "z"], [_params(max_tokens=4), bad, enum]))
+    assert "StructuredOutputsParams.choice" in results[1].error
+    assert "max is 2000" in results[1].error and "\n" not in results[1].error
+    assert results[0].error is None and len(results[0].outputs[0].token_ids) == 4
+    assert results[2].error is None and json.loads(results[2].outputs[0].text) in words
+
+
 def test_greedy_constrained_outputs_survive_preemption(llms, checkpoint):
     prompts, params = _batch()
     want = [o.outputs[0].token_ids for o in llms["sync"].generate(prompts, params)]

@@ -144,14 +144,18 @@ def test_a_deep_schema_on_a_prompts_file_line_is_that_lines_error():
 
 def test_a_deep_json_schema_file_is_the_runs_constraint_error(tmp_path):
     # Before: --json-schema with a depth-600 file was a RecursionError traceback, exit 1.
-    from paged_jax.entrypoints.generate_cli import CONSTRAINT_FLAGS, constraint_from_args
+    from paged_jax.entrypoints.generate_cli import constraint_from_args
 
     path = tmp_path / "deep.json"
     path.write_text(_nested_objects_text(600))
     flag = argparse.Namespace(field="json", value=str(path))
-    constraint, error = constraint_from_args(argparse.Namespace(structured_outputs=flag))
-    assert constraint is None
-    assert error.startswith(f"{CONSTRAINT_FLAGS['json']}=") and "nests 1201 levels" in error
+    try:  # the run's error: raised (checked before loading), or returned as (None, why)
+        constraint, message = constraint_from_args(argparse.Namespace(structured_outputs=flag))
+        assert constraint is None
+    except ValueError as err:
+        message = str(err)
+    assert message.startswith("--json-schema=") and "nests 1201 levels" in message
+    assert "\n" not in message and len(message) < 400
 
 
 # --- item 2: more alternatives than the parser's row holds ---------------------------------
@@ -345,3 +349,27 @@ def test_a_remote_ref_is_never_fetched(compiler, ref):
     with pytest.raises(ValueError, match="does not fetch") as info:
         compiler.compile(StructuredOutputsParams(json={"$ref": ref}))
     _assert_one_line(str(info.value), "json")
+
+
+def test_the_engine_component_reports_why_a_token_was_refused(tokenizer):
+    from types import SimpleNamespace
+
+    from paged_jax.structured_outputs import StructuredOutputs
+
+    pytest.importorskip("llguidance")
+    alternatives = " | ".join(f'"w{i}"' for i in range(MANY))
+    grammar = f'start: NAME ";" alt\nNAME: /[a-z]+/\nalt: {alternatives}'
+    params = SimpleNamespace(
+        structured_outputs=StructuredOutputsParams(grammar=grammar), ignore_eos=False
+    )
+    component = StructuredOutputs(tokenizer, tokenizer.get_vocab_size())
+    component.add_request("r", params, (EOS,))
+    requests = {"r": SimpleNamespace(request_id="r", sampling_params=params)}
+    refused = []
+    for token in [t for c in "xyz;w" for t in tokenizer.encode(c).ids]:
+        refused, _ = component.accept({"r": token}, requests, (EOS,))
+        if refused:
+            break
+    assert [(req.request_id, tok) for req, tok in refused] == [("r", token)]
+    assert "max is 2000" in component.refusal_reason("r")
+    assert component.refusal_reason("unconstrained") is None
