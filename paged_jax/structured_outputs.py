@@ -796,9 +796,11 @@ class GrammarCompiler:
             )
             message = initial.get_error() or self._first_token_error(initial)
         except BaseException as e:
-            # ValueError from the grammar builders; RecursionError or a Rust panic (pyo3's
-            # PanicException derives from BaseException) from a hostile constraint.
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            # ValueError (or RuntimeError) from the backend; RecursionError or a Rust panic
+            # not caught inside it (pyo3's PanicException derives from BaseException) from
+            # a hostile constraint. Anything else is a bug here, not in the constraint.
+            is_panic = type(e).__name__ == "PanicException"
+            if not is_panic and not isinstance(e, ValueError | RuntimeError | RecursionError):
                 raise
             message = str(e) or type(e).__name__
         if message:
@@ -840,7 +842,8 @@ class GrammarCompiler:
         message = initial.get_error()
         if message:
             return message
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        little = words.astype("<i4", copy=False).view(np.uint8)  # bit t%8 of byte t//8
+        bits = np.unpackbits(little, bitorder="little")[: self.vocab_size]
         allowed = np.setdiff1d(np.flatnonzero(bits), list(self.eos_token_ids))
         if allowed.size == 0:
             return ""
