@@ -138,3 +138,32 @@ def test_cli_gpu_memory_utilization_flag_is_checked_before_loading(tmp_path, cap
     err = capsys.readouterr().err
     assert re.search(r"gpu_memory_utilization=0\.8 must be None when kv_cache_memory=0\.5", err)
     assert "Traceback" not in err
+
+
+def test_runner_sizes_the_pool_from_gpu_memory_utilization(monkeypatch):
+    # The device's memory as a GPU reports it, on CPU: the runner's wiring of weights and
+    # activations into the budget.
+    from paged_jax.worker.runner import model_weight_bytes
+
+    memory = DeviceMemory(total_bytes=2 * 2**20, in_use_bytes=2**16)
+    monkeypatch.setattr("paged_jax.worker.runner.device_memory", lambda: memory)
+    llm = _no_warnings(lambda: make_llm(gpu_memory_utilization=0.5, max_model_len=64))
+    runner = llm.engine.runner
+    weights = model_weight_bytes(llm.model)
+    activations = activation_bytes_estimate(llm.config, llm.model.config)
+    assert 0 < activations < 2**20
+    want = (2**20 - weights - activations) // runner.bytes_per_block
+    assert runner.num_kv_blocks == want
+
+
+def test_weight_bytes_count_each_live_array_once():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from paged_jax.worker.runner import model_weight_bytes
+
+    linear = nnx.Linear(4, 8, rngs=nnx.Rngs(0))  # f32 kernel [4, 8] and bias [8]
+    assert model_weight_bytes(linear) == (4 * 8 + 8) * 4
+    shared, gone = jnp.ones(16, jnp.float32), jnp.ones(1000, jnp.float32)
+    gone.delete()  # a per-layer weight freed once stacked
+    assert model_weight_bytes(linear, {"a": shared, "b": shared, "c": gone}) == 40 * 4 + 64
