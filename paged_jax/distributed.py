@@ -17,6 +17,11 @@ and stops every process with LockstepError, the same error on each. A process th
 is noticed by jax.distributed's heartbeat: the survivors exit with its error after
 ``distributed_heartbeat_timeout_s``.
 
+Start-up has two checks of its own: joining waits at most ``distributed_init_timeout_s``
+for every process (and Ctrl-C interrupts the wait), and check_same_config compares the
+engine configs of all processes, since two engines sized differently would compile
+different programs and meet in mismatched collectives.
+
 CPU processes talk through gloo collectives (set here before the backend starts), so the
 whole path runs on one machine: two processes with forced CPU devices each.
 
@@ -29,9 +34,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import sys
+import threading
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -41,12 +48,19 @@ __all__ = [
     "ENV_COORDINATOR_ADDRESS",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "ConfigMismatchError",
     "DistributedSettings",
+    "JoinError",
     "LockstepError",
     "LockstepGuard",
+    "allgather_objects",
     "broadcast_from_primary",
+    "check_same_config",
+    "config_differences",
     "initialize",
     "is_primary",
+    "is_runtime_failure",
+    "leave_job",
     "num_processes",
     "schedule_digest",
     "settings_from",
@@ -63,18 +77,42 @@ ENV_PROCESS_ID = "JAX_PROCESS_ID"
 _MIN_PAYLOAD = 1024
 
 
+# EngineConfig fields that may differ between the processes of one job: they say where
+# a process sits or how long it waits, and shape no program. Every other field must agree.
+PER_PROCESS_FIELDS = frozenset(
+    {
+        "distributed_coordinator_address",  # the same host, perhaps spelled differently
+        "distributed_process_id",
+        "distributed_heartbeat_timeout_s",
+        "distributed_init_timeout_s",
+    }
+)
+
+# How long past jax's own timeout the join is waited for before giving up on jax.
+_JOIN_GRACE_S = 30
+
+
 class LockstepError(RuntimeError):
     """The processes of one engine scheduled different steps; every process raises it."""
 
 
+class ConfigMismatchError(LockstepError, ValueError):
+    """The processes were given different engine configs (bad input: a ValueError too)."""
+
+
+class JoinError(RuntimeError):
+    """This process could not join the multi-process job (a peer never came, a bad address)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DistributedSettings:
-    """Where this process sits in a multi-process job."""
+    """Where this process sits in a multi-process job, and how long it waits for the others."""
 
     coordinator_address: str
     num_processes: int
     process_id: int
     heartbeat_timeout_s: int = 30
+    init_timeout_s: int = 120
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -119,17 +157,29 @@ def settings_from(
             )
     if not 0 <= rank < n:
         raise ValueError(f"distributed_process_id={rank!r} must be in [0, {n})")
-    return DistributedSettings(address, n, rank, config.distributed_heartbeat_timeout_s)
+    return DistributedSettings(
+        address,
+        n,
+        rank,
+        config.distributed_heartbeat_timeout_s,
+        config.distributed_init_timeout_s,
+    )
 
 
 def initialize(settings: DistributedSettings) -> None:
     """Joins the job (jax.distributed.initialize) before any device is queried.
 
-    Idempotent for the same job; CPU processes use gloo collectives.
+    Idempotent for the same job; CPU processes use gloo collectives. Waits at most
+    ``settings.init_timeout_s`` for every process to join. jax's join blocks in C++,
+    where Python's Ctrl-C handler never runs, so it runs in a helper thread and this
+    thread waits on it (a wait that signals interrupt): Ctrl-C ends the wait.
 
     Raises:
+        JoinError: a process did not join in time, or the coordinator is unreachable.
         RuntimeError: jax already started its backends in this process (a device was
             queried or an array made first), or it joined another job.
+        KeyboardInterrupt: Ctrl-C while waiting (the helper thread is left to die with
+            the process).
     """
     import jax
 
@@ -144,19 +194,51 @@ def initialize(settings: DistributedSettings) -> None:
             )
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:
-        jax.distributed.initialize(
-            coordinator_address=settings.coordinator_address,
-            num_processes=settings.num_processes,
-            process_id=settings.process_id,
-            heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+    failure: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            jax.distributed.initialize(
+                coordinator_address=settings.coordinator_address,
+                num_processes=settings.num_processes,
+                process_id=settings.process_id,
+                heartbeat_timeout_seconds=settings.heartbeat_timeout_s,
+                # jax's deadline is later than ours: at its deadline jax aborts the
+                # whole process (a C++ fatal error, no Python exception).
+                initialization_timeout=settings.init_timeout_s + _JOIN_GRACE_S,
+            )
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            failure.append(e)
+
+    where = (
+        f"the multi-process job at {settings.coordinator_address} as process "
+        f"{settings.process_id} of {settings.num_processes}"
+    )
+    thread = threading.Thread(target=join, name="paged-jax-join", daemon=True)
+    thread.start()
+    thread.join(settings.init_timeout_s)
+    if thread.is_alive():
+        raise JoinError(
+            f"could not join {where}: not every process joined within "
+            f"distributed_init_timeout_s={settings.init_timeout_s} s "
+            "(--distributed-init-timeout); did every process start, with the same "
+            "--coordinator-address and --num-processes and its own --process-id?"
         )
-    except RuntimeError as e:
+    if not failure:
+        return
+    e = failure[0]
+    if isinstance(e, RuntimeError) and "backend" in str(e):
         raise RuntimeError(
-            f"could not join the multi-process job at {settings.coordinator_address} as "
-            f"process {settings.process_id} of {settings.num_processes}: {e} (the engine "
-            "must start before anything else in the process uses jax devices)"
+            f"could not join {where}: {e} (the engine must start before anything else in "
+            "the process uses jax devices)"
         ) from e
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise JoinError(
+        f"could not join {where} within distributed_init_timeout_s="
+        f"{settings.init_timeout_s} s (--distributed-init-timeout): {first} (did every "
+        "process start, with the same --coordinator-address and --num-processes and its "
+        "own --process-id?)"
+    ) from e
 
 
 def num_processes() -> int:
@@ -187,6 +269,84 @@ def broadcast_from_primary(obj: Any) -> Any:
     buf[: len(payload)] = np.frombuffer(payload, np.uint8)
     data = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return pickle.loads(data[:size].tobytes())
+
+
+def allgather_objects(obj: Any) -> list[Any]:
+    """Every process's `obj` (any picklable object), in process order; [obj] for one process."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return [obj]
+    payload = pickle.dumps(obj)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([len(payload)], np.int32)))
+    sizes = sizes.reshape(-1).tolist()
+    width = max(_MIN_PAYLOAD, 1 << (max(sizes) - 1).bit_length())
+    buf = np.zeros(width, np.uint8)
+    buf[: len(payload)] = np.frombuffer(payload, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(buf)).reshape(len(sizes), width)
+    return [pickle.loads(row[:n].tobytes()) for row, n in zip(rows, sizes)]
+
+
+def config_differences(configs: list[EngineConfig]) -> dict[str, list[Any]]:
+    """Field -> every process's value, for the fields that must agree and do not."""
+    differ = {}
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in PER_PROCESS_FIELDS:
+            continue
+        values = [getattr(c, field.name) for c in configs]
+        if any(v != values[0] for v in values[1:]):
+            differ[field.name] = values
+    return differ
+
+
+def check_same_config(config: EngineConfig) -> None:
+    """Raises ConfigMismatchError on every process unless all processes' configs agree.
+
+    Called once a multi-process engine has joined its job and before it builds anything:
+    engines of different sizes would compile different programs and then wait in
+    mismatched collectives (gloo's "collective mismatch", or jax aborting the process).
+    Only PER_PROCESS_FIELDS may differ.
+
+    Raises:
+        ConfigMismatchError: naming each differing field and every process's value.
+    """
+    differ = config_differences(allgather_objects(config))
+    if differ:
+        fields = "; ".join(
+            f"{name}: " + ", ".join(f"process {i} {v!r}" for i, v in enumerate(values))
+            for name, values in differ.items()
+        )
+        raise ConfigMismatchError(
+            f"the engine's processes were given different engine configs ({fields}): every "
+            "process must run the same command (only its --process-id differs)"
+        )
+
+
+def is_runtime_failure(err: BaseException) -> bool:
+    """Whether an engine error came from jax's runtime (a collective failed: a peer died).
+
+    A LockstepError, or a Python error in the engine, is raised by every process alike
+    and leaves the job intact; a runtime failure may mean a peer is gone.
+    """
+    import jax
+
+    return isinstance(err, jax.errors.JaxRuntimeError)
+
+
+def leave_job(code: int) -> NoReturn:
+    """Ends this process now with `code`, without jax.distributed's shutdown.
+
+    For a survivor of a dead peer, once its outputs are written: at exit jax would wait
+    in a shutdown barrier for every process, and with one gone it waits out the
+    heartbeat timeout and then aborts the process (SIGABRT, exit 134, a C++ stack dump)
+    instead of exiting with `code`. Python's own exit handlers are skipped too, so
+    everything worth keeping must be written and closed first; stdout and stderr are
+    flushed here.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def schedule_digest(parts: Any) -> int:
