@@ -52,6 +52,7 @@ import os
 import re
 import reprlib
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -67,6 +68,7 @@ __all__ = [
     "CompiledGrammar",
     "ConstraintKind",
     "GrammarCompiler",
+    "MAX_GRAMMAR_RULES",
     "MAX_SCHEMA_DEPTH",
     "Matcher",
     "StructuredOutputsParams",
@@ -85,6 +87,19 @@ DEFAULT_CACHE_BYTES = 2**30
 # (``{"grammars": [{"json_schema": ...}]}``); one more is left spare. Checked at
 # construction, before json.dumps or the backend recurse into the schema.
 MAX_SCHEMA_DEPTH = 124
+# Most rule and terminal definitions in a Lark or GBNF grammar. The backend follows a chain
+# of rules recursively (about 3 KiB of stack per rule): 2,500 chained rules overflow an
+# 8 MiB stack and kill the process. With this cap and the compile stack below, a chain
+# uses at most ~30 MiB.
+MAX_GRAMMAR_RULES = 10_000
+# Compiles run on a thread with this much stack (address space; pages are committed only
+# as they are touched). The backend recurses along chains of $refs too (~10 KiB per
+# level, 1,000 chained objects overflow 8 MiB); its own schema size limit stops a chain
+# well before this stack runs out (20,000 chained objects: "schema too large").
+_COMPILE_STACK_BYTES = 512 * 2**20
+# A Lark rule or terminal ("name:", "?name:", "NAME.2:") or a GBNF rule ("name ::=") at the
+# start of a line.
+_RULE_DEFINITION = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w-]*(?:\.-?\d+)?[ \t]*(?::|::=)", re.M)
 # Levels a schema's depth is counted to before it is called "more than" this (a dict that
 # contains itself would otherwise be walked forever).
 _DEPTH_COUNT_CAP = 100_000
@@ -379,6 +394,14 @@ class StructuredOutputsParams:
         value = getattr(self, kind)
         if not isinstance(value, str) or not value:
             raise _field_error(owner, kind, value, "a non-empty str")
+        if kind == "grammar":
+            rules = sum(1 for _ in _RULE_DEFINITION.finditer(value))
+            if rules > MAX_GRAMMAR_RULES:
+                raise ValueError(
+                    f"{owner}.grammar: the grammar defines {rules} rules; at most "
+                    f"{MAX_GRAMMAR_RULES} are supported (the grammar backend recurses "
+                    "along chains of rules)"
+                )
         return value
 
     def __hash__(self) -> int:
@@ -789,12 +812,16 @@ class GrammarCompiler:
         field = "json" if kind == "json_object" else kind
         before = _allocated_bytes()
         start = time.perf_counter()
-        try:
+
+        def build() -> tuple[str, Any, str]:
             grammar = self._backend_grammar(params)
             initial = self._llg.LLMatcher(
                 self._ll_tokenizer, grammar, log_level=0, limits=self._limits
             )
-            message = initial.get_error() or self._first_token_error(initial)
+            return grammar, initial, initial.get_error() or self._first_token_error(initial)
+
+        try:
+            grammar, initial, message = _on_big_stack(build)
         except BaseException as e:
             # ValueError (or RuntimeError) from the backend; RecursionError or a Rust panic
             # not caught inside it (pyo3's PanicException derives from BaseException) from
@@ -856,6 +883,38 @@ class GrammarCompiler:
                 if message:
                     return message
         return ""
+
+
+def _on_big_stack(fn: Any) -> Any:
+    """``fn()`` on a new thread with ``_COMPILE_STACK_BYTES`` of stack (the backend's
+    recursion must not overflow the caller's); its exception is raised here. Where the
+    platform cannot size a thread's stack, ``fn()`` runs on this one."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as e:  # re-raised on the caller's thread
+            outcome["error"] = e
+
+    with _STACK_SIZE_LOCK:
+        try:
+            previous = threading.stack_size(_COMPILE_STACK_BYTES)
+        except (ValueError, RuntimeError):
+            return fn()
+        try:
+            thread = threading.Thread(target=run, name="grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# threading.stack_size is process-wide: held while the compile thread is made.
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 def _cache_bytes_from_env() -> int:

@@ -21,6 +21,7 @@ from paged_jax.entrypoints.prompts_file import PromptLine, params_for
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.structured_outputs import (
     CACHE_BYTES_ENV,
+    MAX_GRAMMAR_RULES,
     MAX_SCHEMA_DEPTH,
     GrammarCompiler,
     StructuredOutputsParams,
@@ -156,6 +157,64 @@ def test_a_deep_json_schema_file_is_the_runs_constraint_error(tmp_path):
         message = str(err)
     assert message.startswith("--json-schema=") and "nests 1201 levels" in message
     assert "\n" not in message and len(message) < 400
+
+
+def _rule_chain(rules: int) -> str:
+    """A Lark grammar of ``rules`` rules, each the only symbol of the one before."""
+    chain = "\n".join(f"r{i}: r{i + 1}" for i in range(rules - 1))
+    return f'start: r0\n{chain}\nr{rules - 1}: "a"'
+
+
+def test_a_grammar_of_too_many_rules_is_refused_at_construction():
+    StructuredOutputsParams(grammar=_rule_chain(MAX_GRAMMAR_RULES - 1))  # + start: at the cap
+    with pytest.raises(ValueError, match=r"grammar defines 10001 rules; at most 10000") as info:
+        StructuredOutputsParams(grammar=_rule_chain(MAX_GRAMMAR_RULES))
+    assert len(str(info.value)) < 200
+
+
+# Compiles long chains of rules and of $refs; prints how each ended.
+_CHAINS_SCRIPT = """
+import json
+from paged_jax.structured_outputs import GrammarCompiler, StructuredOutputsParams
+from paged_jax.testing.bpe_tokenizer import EOS_TOKEN_ID, structured_corpus, train_byte_level_bpe
+compiler = GrammarCompiler(
+    train_byte_level_bpe(structured_corpus(), vocab_size=400), eos_token_ids=(EOS_TOKEN_ID,)
+)
+rules = "\\n".join(f"r{i}: r{i + 1}" for i in range(4999))
+defs = {
+    f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+    for i in range(3000)
+}
+defs["d3000"] = {"type": "integer"}
+cases = {
+    "rules": {"grammar": f'start: r0\\n{rules}\\nr4999: "a"'},
+    "refs": {"json": {"$defs": defs, "$ref": "#/$defs/d0"}},
+}
+for name, kwargs in cases.items():
+    try:
+        compiler.compile(StructuredOutputsParams(**kwargs))
+        print(json.dumps([name, "compiled"]), flush=True)
+    except ValueError as err:
+        print(json.dumps([name, str(err)]), flush=True)
+"""
+
+
+def test_long_chains_of_rules_or_refs_compile_and_never_crash_the_process():
+    # Before: the backend's recursion overflowed the 8 MiB main stack: SIGSEGV, the whole
+    # process gone (5,000 chained Lark rules; 1,000 chained $ref objects). Run in a child
+    # so a regression fails this test, not the test session.
+    import subprocess
+
+    pytest.importorskip("llguidance")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHAINS_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only, far above the few seconds it takes
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    ended = dict(json.loads(line) for line in done.stdout.splitlines())
+    assert ended == {"rules": "compiled", "refs": "compiled"}
 
 
 # --- item 2: more alternatives than the parser's row holds ---------------------------------
