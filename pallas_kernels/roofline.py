@@ -8,8 +8,10 @@ Counted: each operand's bytes read and written once (K/V of every visible key, q
 output, block-table and length entries). Not counted: split-K partials and their
 combine, padding rows, re-reads a kernel may do. ``predicted_decode_fraction`` adds
 what the decode kernel's design costs on top (partials, load balance of its work list)
-and predicts the fraction of peak a GPU run should read. Plain Python: no jax, so the
-benchmark, the compile check and host code can all use it.
+and predicts the fraction of peak a GPU run should read. The benchmarks' bandwidth facts
+live here too: peak HBM bandwidth by device (``peak_gbps``) and how many calls fill a
+timed loop (``calls_per_loop``). Plain Python: no jax, so the benchmark, the compile
+check and host code can all use it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,34 @@ from pallas_kernels.names import DECODE_TARGET_PROGRAMS, MIN_CHUNK_TOKENS, cdiv
 
 H200_BYTES_PER_S = 4.8e12  # HBM3e peak, 4.8 TB/s
 INT32_BYTES = 4
+# Peak HBM bandwidth (GB/s) by device kind; a name matches its longest key (peak_gbps).
+PEAK_GBPS = {
+    "H200": H200_BYTES_PER_S / 1e9,
+    "H100 SXM": 3350.0,
+    "H100 PCIe": 2000.0,
+    "H100": 3350.0,
+    "A100": 2039.0,
+}
+# Device time of one timed loop of the kernel benchmarks (timing.time_loop), and the
+# bandwidth that sizes it: a call moving nbytes is assumed to take nbytes / 3 TB/s.
+LOOP_SECONDS = 0.02
+LOOP_SIZING_BYTES_PER_S = 3e12
+
+
+def peak_gbps(device_kind: str) -> float | None:
+    """Peak HBM bandwidth (GB/s) of a device kind ("NVIDIA H100 80GB HBM3"), None when
+    unknown; the longest matching key of PEAK_GBPS wins ("H100 PCIe" before "H100")."""
+    hits = [k for k in PEAK_GBPS if k.lower() in device_kind.lower()]
+    return PEAK_GBPS[max(hits, key=len)] if hits else None
+
+
+def calls_per_loop(
+    nbytes: int, loop_seconds: float = LOOP_SECONDS, *, lo: int = 5, hi: int = 500
+) -> int:
+    """Calls of a kernel moving `nbytes` per call that fill ~loop_seconds of device time
+    at LOOP_SIZING_BYTES_PER_S, within [lo, hi] (enough calls to dwarf one sync, few
+    enough to compile the loop quickly)."""
+    return int(min(hi, max(lo, loop_seconds * LOOP_SIZING_BYTES_PER_S / max(nbytes, 1))))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Kernel timing for the bench scripts: jitted loops of a static number of dependent calls
-whose every array enters as an argument, the device's copy ceiling, and the checks that
-no large array was captured as a compile-time constant.
+whose every array enters as an argument, the device's copy ceiling, the checks that
+no large array was captured as a compile-time constant, and the relative error a loop's
+first call is held to against a reference.
 
 Why arguments: a jitted closure that captures a concrete array gets it embedded in the
 program as a constant. On jax 0.11.2 a captured 256 MiB array took 12.4 s to lower and
@@ -23,6 +24,9 @@ import numpy as np
 
 MAX_CONSTANT_BYTES = 1 << 20  # a larger constant in a timed program is a captured array
 NUDGE = 1e-3  # each call's query is the last one's plus NUDGE x its output
+# rel_err of a timed kernel against a reference on bf16 q/out: the kernels round the
+# probabilities to bf16 (~4e-3 typical), so a larger error is a wrong output.
+MAX_REL_ERR = 2e-2
 
 
 class CapturedArrayError(ValueError):
@@ -46,6 +50,14 @@ class LoopTiming:
         """median, min and max microseconds per call (the bench JSONs' us fields)."""
         s = self.samples_s
         return dict(us=self.median_s * 1e6, us_min=min(s) * 1e6, us_max=max(s) * 1e6)
+
+
+def rel_err(got: Any, want: Any) -> float:
+    """Relative L2 error ||got - want|| / ||want|| in f32; inf when got is not all finite."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
 
 
 def looped(fn: Callable, n: int) -> Callable:

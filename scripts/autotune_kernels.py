@@ -15,7 +15,7 @@ passing each config explicitly to ``pallas_kernels.paged_attention`` /
 shared memory exhausted) or mismatches is recorded with the reason and skipped. Timing
 (``pallas_kernels.timing``): one jitted loop of a static number of dependent calls whose
 every array (caches, tables, lengths, query starts, fp8 scales, q) is an argument; its
-first call is checked, then REPS timed loops; median, min, max and spread are reported.
+first call is checked, then REPS_PER_CONFIG timed loops; median, min, max and spread are reported.
 The kernel defaults (no knobs) are timed too; the best config is written to the table
 (``--write``, ``--table``; default ``pallas_kernels/tuned_configs.json``) only when its
 sweep completed and it is no slower than the defaults. The workload behind every key is
@@ -50,9 +50,9 @@ from pallas_kernels import roofline, tuning
 from pallas_kernels.names import cdiv
 
 DECODE, RAGGED = "paged_decode_attention", "ragged_paged_attention"
-CACHE_DTYPES = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
-DTYPE_NAMES = tuple(CACHE_DTYPES.values())
-HEAD_DIMS = {"core": (128,), "all": (128, 64, 256)}
+CACHE_DTYPE_BY_FLAG = {"bf16": "bfloat16", "e4m3": "float8_e4m3fn"}
+DTYPE_NAMES = tuple(CACHE_DTYPE_BY_FLAG.values())
+HEAD_DIM_SETS = {"core": (128,), "all": (128, 64, 256)}
 GROUPS = (4, 8, 1)  # Llama-3 8B/70B, Llama-3 405B-like, multi-head
 # The keys the engine looks up (decode_defaults / ragged_defaults: cache dtype, head_dim,
 # group = q heads per KV head, block_size) for the device run's model, Llama-3-8B (32 q /
@@ -66,13 +66,11 @@ INTERPRET_DEVICE_KIND = "cpu-interpret"
 BATCH, CONTEXT, PREFILL = 64, 4096, (256, 194)
 # The rehearsal engine's cut of Llama-3-8B (8 q / 2 KV heads, head_dim 32: group 4).
 INTERPRET_WORK = dict(batch=3, context=40, prefill=(5,), num_kv_heads=2, group=4, head_dim=32)
-MAX_REL_ERR = 2e-2  # bf16 q/out: the kernels round probabilities to bf16 (~4e-3 typical)
-LOOP_SECONDS = 0.02  # device time of one timed loop
-REPS = 5  # timed loops per config (after one warm-up)
+REPS_PER_CONFIG = 5  # timed loops per config (after one warm-up)
 # Planning figures for the dry run (s): one config's compile + check + timing, and the
 # one-off start (jax import, pools, reference outputs) per (dtype, head_dim).
 PLAN_CONFIG_S = 1.5
-PLAN_START_S = 10.0
+PLAN_SWEEP_START_S = 10.0
 PLAN_POOL_S = 3.0
 
 
@@ -88,7 +86,7 @@ class ShapeKey:
 
     @property
     def label(self) -> str:
-        short = {v: k for k, v in CACHE_DTYPES.items()}.get(self.dtype, self.dtype)
+        short = {v: k for k, v in CACHE_DTYPE_BY_FLAG.items()}.get(self.dtype, self.dtype)
         kind = "decode" if self.kernel == DECODE else "ragged"
         return f"{kind}-{short}-d{self.head_dim}-g{self.group}-bs{self.block_size}"
 
@@ -161,7 +159,7 @@ def plan_configs(key: ShapeKey, search: str) -> int:
 
 def plan_seconds(keys: list[ShapeKey], search: str) -> list[float]:
     """Cumulative planned seconds after each key (pools built once per dtype x head_dim)."""
-    total, pools, out = PLAN_START_S, set(), []
+    total, pools, out = PLAN_SWEEP_START_S, set(), []
     for key in keys:
         if (key.dtype, key.head_dim) not in pools:
             pools.add((key.dtype, key.head_dim))
@@ -182,7 +180,7 @@ def print_plan(args, keys: list[ShapeKey]) -> None:
         print(
             f"  key {key.label:28s} {plan_configs(key, args.search):3d} configs  ~{cum:5.0f} s{fits}"
         )
-    total = plan_seconds(keys, args.search)[-1] if keys else PLAN_START_S
+    total = plan_seconds(keys, args.search)[-1] if keys else PLAN_SWEEP_START_S
     print(
         f"autotune budget: ~{total:.0f} s at ~{PLAN_CONFIG_S} s per config; stops starting "
         f"configs after --time-limit={args.time_limit:.0f} s"
@@ -208,10 +206,8 @@ class Report:
 
 
 def loop_count(nbytes: int, interpret: bool) -> int:
-    """Calls per timed loop: ~LOOP_SECONDS of device time at ~3 TB/s, within [5, 500]."""
-    if interpret:
-        return 1
-    return int(min(500, max(5, LOOP_SECONDS * 3e12 / max(nbytes, 1))))
+    """Calls per timed loop: ~roofline.LOOP_SECONDS of device time (one in interpret mode)."""
+    return 1 if interpret else roofline.calls_per_loop(nbytes)
 
 
 class Workload:
@@ -326,9 +322,9 @@ def measure(fn, q, operands, want, n: int, reps: int) -> dict:
         got = np.asarray(got, np.float32)
         ref = np.asarray(want, np.float32)
         finite = bool(np.isfinite(got).all())
-        rel = float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+        rel = timing.rel_err(got, ref)
         row.update(rel_err=rel, max_abs_err=float(np.max(np.abs(got - ref))), finite=finite)
-        if not finite or rel > MAX_REL_ERR:
+        if not finite or rel > timing.MAX_REL_ERR:
             return dict(row, status="mismatch", error=f"rel_err={rel:.3g} finite={finite}")
         samples = []
         for _ in range(reps):
@@ -362,7 +358,7 @@ def tune_key(key, work, report, args, deadline, device_kind) -> dict:
     want = jax.jit(work.attend(reference, key.kernel))(q, *operands)
     traffic = work.traffic(key.kernel, key.group)
     n = loop_count(traffic.total_bytes, args.interpret)
-    reps = 2 if args.interpret else REPS
+    reps = 2 if args.interpret else REPS_PER_CONFIG
     rec = dict(
         kernel=key.kernel,
         dtype=key.dtype,
@@ -472,6 +468,8 @@ def tune_key(key, work, report, args, deadline, device_kind) -> dict:
 def run(args, keys: list[ShapeKey]) -> int:
     import jax
 
+    from pallas_kernels import timing
+
     device_kind = INTERPRET_DEVICE_KIND if args.interpret else tuning.current_device_kind()
     deadline = time.monotonic() + args.time_limit
     start = time.monotonic()
@@ -493,11 +491,11 @@ def run(args, keys: list[ShapeKey]) -> int:
             timing=dict(
                 method="pallas_kernels.timing.looped: n dependent calls (n static), every "
                 "array an argument; us per call",
-                loop_seconds=LOOP_SECONDS,
-                reps=2 if args.interpret else REPS,
+                loop_seconds=roofline.LOOP_SECONDS,
+                reps=2 if args.interpret else REPS_PER_CONFIG,
                 statistic="median; min, max, spread = (max - min) / median",
             ),
-            check=f"relative L2 error vs pallas_kernels.reference <= {MAX_REL_ERR}, all finite",
+            check=f"relative L2 error vs pallas_kernels.reference <= {timing.MAX_REL_ERR}, all finite",
             peak_bytes_per_s=roofline.H200_BYTES_PER_S,
             table=str(args.table) if args.write else None,
             tuned_configs=None,
@@ -553,13 +551,15 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit", type=float, default=150.0, help="start no config after this many s"
     )
     p.add_argument("--search", choices=("greedy", "grid"), default="greedy")
-    p.add_argument("--head-dims", choices=sorted(HEAD_DIMS), default="core")
+    p.add_argument("--head-dims", choices=sorted(HEAD_DIM_SETS), default="core")
     p.add_argument(
         "--groups",
         default=",".join(map(str, ENGINE_GROUPS)),
         help=f"comma-separated (default: the engine's; all: {','.join(map(str, GROUPS))})",
     )
-    p.add_argument("--dtypes", default=",".join(CACHE_DTYPES), help=f"of {sorted(CACHE_DTYPES)}")
+    p.add_argument(
+        "--dtypes", default=",".join(CACHE_DTYPE_BY_FLAG), help=f"of {sorted(CACHE_DTYPE_BY_FLAG)}"
+    )
     p.add_argument("--kernels", default="decode,ragged", help="decode, ragged or both")
     p.add_argument("--dry-run", action="store_true", help="print the plan; touch no device")
     p.add_argument("--interpret", action="store_true", help="tiny CPU sweep in interpret mode")
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
 
             args.table = pathlib.Path(tempfile.mkdtemp(prefix="autotune_")) / "tuned_configs.json"
     try:
-        dtypes = tuple(CACHE_DTYPES[d] for d in args.dtypes.split(","))
+        dtypes = tuple(CACHE_DTYPE_BY_FLAG[d] for d in args.dtypes.split(","))
         groups = tuple(int(g) for g in args.groups.split(","))
         kernels = tuple({"decode": DECODE, "ragged": RAGGED}[k] for k in args.kernels.split(","))
     except (KeyError, ValueError) as e:
@@ -592,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
             (INTERPRET_WORK["head_dim"],), (INTERPRET_WORK["group"],), ("bfloat16",), kernels
         )
     else:
-        keys = shape_keys(HEAD_DIMS[args.head_dims], groups, dtypes, kernels)
+        keys = shape_keys(HEAD_DIM_SETS[args.head_dims], groups, dtypes, kernels)
     args.table = args.table or tuning.TABLE_PATH
     if args.dry_run:
         print_plan(args, keys)

@@ -26,21 +26,16 @@ import pathlib
 import sys
 import time
 
+from pallas_kernels import roofline
 from pallas_kernels.names import cdiv
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 REHEARSE_SHAPE = dict(batch=2, context=48, q_heads=8, kv_heads=2, head_dim=64)
 CACHES = {"bfloat16": "bfloat16", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 REHEARSE_CACHES = ("bfloat16", "fp8_e4m3")
-PEAK_GBPS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 # |kernel - reference| on the same cache: both dequantize the same bytes, so they differ by
 # the kernel's bf16 rounding of probabilities and output (~1e-2 of values of order 1).
 MAX_ABS_ERR_VS_REFERENCE = 5e-2
-LOOP_SECONDS = 0.02
-
-
-def _peak(kind: str) -> float | None:
-    return next((v for k, v in PEAK_GBPS.items() if k.lower() in kind.lower()), None)
 
 
 def make_inputs(batch: int, context: int, q_heads: int, kv_heads: int, head_dim: int, seed=0):
@@ -152,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     flush()
     q, k32, v32, tables, lens = make_inputs(**shape)
     attend = pk.get_attention_ops(backend).paged_attention
-    peak = _peak(device)
+    peak = roofline.peak_gbps(device)
     batch, context = shape["batch"], shape["context"]
     failed = False
     base = None
@@ -171,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         k, v, scales = caches_for(name, k32, v32)
         operands = (k, v, tables, lens, *scales)
         kv_bytes = 2 * batch * context * shape["kv_heads"] * shape["head_dim"] * k.dtype.itemsize
-        n = 1 if not gpu else int(min(500, max(5, LOOP_SECONDS * 3e12 / kv_bytes)))
+        n = roofline.calls_per_loop(kv_bytes) if gpu else 1
         try:
             t, out = timing.time_loop(
                 decode_fn(attend, shape["head_dim"], fp8), q, operands, n=n,
