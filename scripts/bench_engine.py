@@ -51,8 +51,8 @@ from paged_jax.baselines.worker_process import WorkerError, WorkerProcess
 from paged_jax.baselines.workload import WorkloadConfig, make_trace, trace_summary
 from paged_jax.config import EngineConfig
 
-SYSTEMS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle", "hf")
-NAMES = {
+ENGINE_SYSTEMS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle", "hf")
+SYSTEM_LABELS = {
     "paged": "paged-jax",
     "contiguous-max": "contiguous-max",
     "contiguous-pow2": "contiguous-pow2",
@@ -84,7 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="random-weight Llama built into a temp dir: tiny (2.9M parameters) or 80m",
     )
     p.add_argument(
-        "--systems", default=",".join(SYSTEMS), help="comma list of " + ",".join(SYSTEMS)
+        "--systems",
+        default=",".join(ENGINE_SYSTEMS),
+        help="comma list of " + ",".join(ENGINE_SYSTEMS),
     )
     p.add_argument(
         "--comparisons",
@@ -189,9 +191,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sizes = _int_list(p, "--tensor-parallel-size", args.tensor_parallel_size)
     args.tensor_parallel_sizes = [n for n in sizes if n > 1]
     args.systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    bad = [s for s in args.systems if s not in SYSTEMS]
+    bad = [s for s in args.systems if s not in ENGINE_SYSTEMS]
     if bad or "paged" not in args.systems:
-        p.error(f"--systems={','.join(args.systems)!r} must list paged plus any of {SYSTEMS}")
+        p.error(
+            f"--systems={','.join(args.systems)!r} must list paged plus any of {ENGINE_SYSTEMS}"
+        )
     args.comparisons = tuple(c.strip() for c in args.comparisons.split(",") if c.strip())
     if not args.comparisons or any(c not in COMPARISONS for c in args.comparisons):
         p.error(f"--comparisons={','.join(args.comparisons)!r} must list some of {COMPARISONS}")
@@ -424,7 +428,7 @@ def sweep_hf(worker: Worker, batch_sizes: list[int], threads: list[int]) -> Swee
     would: every thread count at the middle batch size, then every other batch size at
     the best thread count (a thread count that collapses on a loaded machine costs one
     run, not one per batch size)."""
-    sweep = Sweep(NAMES["hf"], worker=worker)
+    sweep = Sweep(SYSTEM_LABELS["hf"], worker=worker)
 
     def try_setting(batch_size: int, num_threads: int) -> None:
         setting = {"batch_size": batch_size, "threads": num_threads}
@@ -476,7 +480,9 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path, plan: Plan, cache_dir
             for system in args.systems:
                 if system.startswith("contiguous-"):
                     settings = contiguous_sweep_specs(args, plan, system)
-                    sweeps[NAMES[system]] = sweep_workers(NAMES[system], base, settings)
+                    sweeps[SYSTEM_LABELS[system]] = sweep_workers(
+                        SYSTEM_LABELS[system], base, settings
+                    )
             for name, sw in sweeps.items():
                 if sw.worker is not None and sw.best is not None:
                     entries["best", name] = (sw.worker, sw.run_kwargs)
@@ -492,15 +498,15 @@ def run(args: argparse.Namespace, model_dir: pathlib.Path, plan: Plan, cache_dir
             for system in args.systems:
                 if system == "hf":
                     continue
-                print(f"starting {NAMES[system]} worker ...", flush=True)
+                print(f"starting {SYSTEM_LABELS[system]} worker ...", flush=True)
                 if system == "paged":
                     spec = {"paged": paged}
                 else:
                     spec = {
                         "contiguous": contiguous_spec(args, plan.same_budget, args.max_num_seqs)
                     }
-                same_workers[NAMES[system]] = Worker(
-                    {**base, "system": system, **spec}, NAMES[system]
+                same_workers[SYSTEM_LABELS[system]] = Worker(
+                    {**base, "system": system, **spec}, SYSTEM_LABELS[system]
                 )
             for n in args.tensor_parallel_sizes:
                 print(f"starting paged-jax worker, tensor_parallel_size={n} ...", flush=True)

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-PHASES = (
+START_PHASES = (
     "load_s",
     "warmup_s",
     "warmup_trace_s",
@@ -70,7 +70,7 @@ def run_once(cli_args: list[str], env: dict[str, str], summary: str) -> dict:
         raise SystemExit(f"generate failed ({proc.returncode}): {proc.stderr[-2000:]}")
     with open(summary) as f:
         s = json.load(f)
-    out = {k: s[k] for k in (*COUNTS, *PHASES)}
+    out = {k: s[k] for k in (*COUNTS, *START_PHASES)}
     out["generation_s"] = out.pop("wall_s")
     out["load_and_warmup_over_generation"] = round(
         s["load_and_warmup_s"] / max(s["wall_s"], 1e-9), 2
@@ -95,7 +95,7 @@ def summarize(rounds: list[dict]) -> dict:
         runs = [r[start] for r in rounds]
         out[start] = {
             k: _spread([r[k] for r in runs])
-            for k in (*PHASES, "generation_s", "load_and_warmup_over_generation")
+            for k in (*START_PHASES, "generation_s", "load_and_warmup_over_generation")
             if k != "wall_s"
         }
         out[start]["programs_compiled"] = sorted({r["programs_compiled"] for r in runs})

@@ -21,11 +21,6 @@ import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-for _path in (REPO, REPO / "scripts"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
 
 def _median_ms(times: list[float]) -> float:
     return round(1e3 * statistics.median(times), 3)

@@ -76,9 +76,8 @@ from dataclasses import dataclass
 from pallas_kernels import roofline
 from pallas_kernels.names import cdiv
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-FULL_OUTPUT = REPO / "docs" / "gpu_compile_h200.json"
-CI_OUTPUT = REPO / "bench_results" / "gpu_compile_ci.json"
+FULL_OUTPUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "gpu_compile_h200.json"
+CI_OUTPUT = FULL_OUTPUT.parents[1] / "bench_results" / "gpu_compile_ci.json"
 
 
 def default_output(grid: str, cuda: str) -> pathlib.Path:
@@ -140,7 +139,8 @@ KNOWN_EXPECTED_FAILURES = {
         "shared memory an H200 block may use"
     ),
 }
-DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+# Every cache dtype the kernels accept (pallas_kernels.validation.CACHE_DTYPES), by name.
+GRID_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 HEAD_DIMS = (64, 128, 256, 80, 96)
 KERNEL_NAMES = (
     "paged_decode_attention",
@@ -284,7 +284,7 @@ def grid_full() -> list[Case]:
     """Every dtype x head_dim x GQA group x block size for the four kernels, then shape,
     feature and ragged-mix sweeps at the Llama-3-8B heads, then whole engine steps."""
     cases = []
-    for dtype in DTYPES:
+    for dtype in GRID_DTYPES:
         for d in HEAD_DIMS:
             for bs in (16, 32):
                 for g in (1, 4, 8):
@@ -379,7 +379,7 @@ def grid_ci() -> list[Case]:
     kernels at least once, both block sizes, window/cap/splits, each kernel at head_dim 80
     and with an fp8 cache, the Llama decode and mixed steps, the TP=2 decode step, one
     Mosaic decode case and the oversized probe."""
-    cases = [_case("decode", dtype=dt) for dt in DTYPES]
+    cases = [_case("decode", dtype=dt) for dt in GRID_DTYPES]
     cases += [
         _case("decode", head_dim=64, group=1, block_size=32),
         _case("decode", head_dim=256, group=8),

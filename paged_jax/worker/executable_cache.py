@@ -277,7 +277,7 @@ class ProgramRecord:
     cached: bool = False  # the executable is on disk (saved now or loaded)
 
 
-PHASES = ("trace_s", "lower_s", "compile_s", "load_s", "save_s", "run_s")
+PROGRAM_PHASES = ("trace_s", "lower_s", "compile_s", "load_s", "save_s", "run_s")
 
 
 @dataclasses.dataclass
@@ -309,8 +309,8 @@ class WarmupReport:
         return "cold" if self.num_loaded == 0 else "partial"
 
     def phase_seconds(self) -> dict[str, float]:
-        """Seconds per phase (PHASES) summed over the programs."""
-        return {k: sum(getattr(p, k) for p in self.programs) for k in PHASES}
+        """Seconds per phase (PROGRAM_PHASES) summed over the programs."""
+        return {k: sum(getattr(p, k) for p in self.programs) for k in PROGRAM_PHASES}
 
     def summary(self) -> dict[str, Any]:
         """Flat, JSON-ready figures (seconds rounded to ms) for a run summary."""

@@ -32,11 +32,14 @@ gcc = _load()
 
 
 def test_full_grid_covers_what_users_run():
+    from pallas_kernels.validation import CACHE_DTYPES
+
     cases = gcc.grid_full()
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), "case names must be unique (they key the JSON rows)"
     attn = [c for c in cases if c.kernel in ("decode", "ragged")]
-    assert {c.dtype for c in attn} == set(gcc.DTYPES)
+    assert {c.dtype for c in attn} == set(gcc.GRID_DTYPES)
+    assert set(gcc.GRID_DTYPES) == {d.name for d in CACHE_DTYPES}, "every dtype the kernels take"
     assert {c.head_dim for c in attn} == {64, 128, 256, 80, 96}
     assert {c.group for c in attn} == {1, 4, 8}
     assert {c.block_size for c in attn} == {16, 32}
@@ -53,7 +56,7 @@ def test_full_grid_covers_what_users_run():
     # every kernel at every dtype and head_dim, the non-power-of-two ones included
     for kernel in ("decode", "ragged", "write_kv", "copy_blocks"):
         have = {(c.dtype, c.head_dim) for c in cases if c.kernel == kernel}
-        assert have >= {(dt, d) for dt in gcc.DTYPES for d in (64, 128, 256, 80, 96)}, kernel
+        assert have >= {(dt, d) for dt in gcc.GRID_DTYPES for d in (64, 128, 256, 80, 96)}, kernel
     # f32 decode (must not spill) at every head_dim, group and the batch / context ends
     f32 = [c for c in attn if c.kernel == "decode" and c.dtype == "float32"]
     assert {(c.head_dim, c.group) for c in f32} >= {
@@ -91,7 +94,7 @@ def test_ci_grid_is_a_subset_of_the_full_grid():
     assert 10 <= len(ci) <= 40
     for c in ci:
         assert full.get(c.name) == c, f"{c.name} is not in --grid full"
-    assert {c.dtype for c in ci if c.kernel == "decode"} == set(gcc.DTYPES)
+    assert {c.dtype for c in ci if c.kernel == "decode"} == set(gcc.GRID_DTYPES)
     assert any(c.head_dim == 80 for c in ci), "a head_dim that is not a power of two"
     assert any(c.kernel == "step" for c in ci)
     # one case of each kernel family at head_dim 80 and with an fp8 cache
@@ -573,10 +576,8 @@ def test_failure_rule_of_step_memory(kw, expected):
 
 
 def test_default_outputs_per_toolchain():
-    assert gcc.default_output("full", "cuda12") == gcc.REPO / "docs" / "gpu_compile_h200.json"
-    assert gcc.default_output("full", "cuda13") == (
-        gcc.REPO / "docs" / "gpu_compile_h200_cuda13.json"
-    )
+    assert gcc.default_output("full", "cuda12") == REPO / "docs" / "gpu_compile_h200.json"
+    assert gcc.default_output("full", "cuda13") == (REPO / "docs" / "gpu_compile_h200_cuda13.json")
     assert gcc.default_output("ci", "cuda13").name == "gpu_compile_ci_cuda13.json"
     assert "runtime_version { major: 13 minor: 0 patch: 0 }" in gcc.target_config("cuda13")
     assert gcc.target_config("cuda12") == gcc.TARGET_CONFIG
