@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import operator
 import os
 import threading
 import time
@@ -44,7 +43,7 @@ from paged_jax.engine_types import (
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
 from paged_jax.output_processor import OutputProcessor
 from paged_jax.outputs import EngineOutput
-from paged_jax.parallel_sampling import ParallelSampleRequest, ParallelSampling
+from paged_jax.parallel_sampling import ParallelSampling
 from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode.proposer import Proposer, ProposerContext, build_proposer
@@ -60,10 +59,6 @@ from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
-
-_req_id_of = operator.attrgetter("req_id")
-_samples_of = operator.attrgetter("samples")
-
 
 def _serialised(method):
     """Runs an Engine method under the engine's lock: one thread inside at a time."""
@@ -204,9 +199,12 @@ class Engine:
         # Start recording the blocks each schedule hashes (InFlightStep.cached).
         self.kv_cache_manager.take_newly_cached_blocks()
         self.input_batch = InputBatch(config, kv_cache_groups=groups)
+        # Live requests (plain ones; a parallel-sampling parent's parts) -> their seeds.
+        self._seeds: dict[str, int] = {}
+        self._seed_rng = np.random.default_rng(config.seed)
         # The components: each is called from one place in the step.
         self.parallel_sampling = ParallelSampling(
-            self._queue_part, self._fork_sample, self._abort, self._seeds_has
+            self._queue, self._fork, self._abort, self._seeds.__contains__
         )
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
         self.speculator: Speculator | None = None
@@ -220,9 +218,6 @@ class Engine:
                 self.input_batch,
                 self.runner,
             )
-        # Live requests (plain ones; a parallel-sampling parent's parts) -> their seeds.
-        self._seeds: dict[str, int] = {}
-        self._seed_rng = np.random.default_rng(config.seed)
         self._in_flight: InFlightStep | None = None
         # Outputs of requests that ended in a step() that then raised: the next step()
         # returns them.
@@ -332,8 +327,7 @@ class Engine:
         if params.n > 1:  # a parent: its carrier, or its samples
             self.parallel_sampling.add(req, prompt, self._id_taken)
             return
-        self._register(request_id, params, prompt, owns_prompt=True)
-        self.scheduler.add_request(req)
+        self._queue(req, prompt, owns_prompt=True)
 
     @_serialised
     def fork_request(
@@ -381,7 +375,6 @@ class Engine:
         self._fork(parent, child_id, prompt_token_ids, output_token_ids, sampling_params)
 
     @_serialised
-    @_serialised
     def get_logprobs(self, request_id: str) -> list[dict[int, float]] | None:
         """The live request's logprobs so far (one dict per sampled token), or None."""
         if request_id not in self._seeds:
@@ -398,15 +391,9 @@ class Engine:
         """
         sampling = self.parallel_sampling
         if sampling.parents:
-            parent = sampling.parents.get(request_id)
-            if parent is not None:
-                return sampling.abort_parent(parent)
-            owner = sampling.parent_of.get(request_id)
-            if owner is not None:
-                raise ValueError(
-                    f"request_id={request_id!r} must name a live request, not a part of the "
-                    f"parallel-sampling request {owner.request_id!r} (abort that one)"
-                )
+            out = sampling.abort_request(request_id)
+            if out is not None:
+                return out
         if request_id not in self._seeds:
             raise ValueError(f"request_id={request_id!r} must name a live request")
         return self._abort(request_id)
@@ -452,10 +439,6 @@ class Engine:
         sampling = self.parallel_sampling
         return bool(sampling.parents) and sampling.holds(request_id)
 
-    def _seeds_has(self, request_id: str) -> bool:
-        """True while a plain live request (not a parent) holds the id."""
-        return request_id in self._seeds
-
     def _register(
         self,
         request_id: str,
@@ -474,6 +457,14 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
         self._seeds[request_id] = seed
         self.output.add_request(request_id, params, prompt, owns_prompt=owns_prompt)
+
+    def _queue(
+        self, req: Request, prompt: PromptLogprobs | None, *, owns_prompt: bool = False
+    ) -> None:
+        """Starts a validated request's state (see _register) and hands it to the
+        scheduler."""
+        self._register(req.request_id, req.sampling_params, prompt, owns_prompt=owns_prompt)
+        self.scheduler.add_request(req)
 
     def _unregister(self, request_id: str) -> None:
         """Drops a request's state (the inverse of _register)."""
@@ -524,37 +515,6 @@ class Engine:
             self.structured.remove_request(rid)
         self.runner.drop_swapped(rid)
         return self.output.finish(req, self.scheduler.errors.pop(rid, None))
-
-    # ------------------------------------------------------------ parallel sampling
-    def _queue_part(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        parent: ParallelSampleRequest,
-        arrival_time: float | None,
-        prompt: PromptLogprobs | None,
-    ) -> None:
-        """Queues a parent's carrier or one of its samples as a plain request (computing
-        the parent's prompt logprobs into ``prompt`` when given)."""
-        self._register(request_id, params, prompt)
-        self.scheduler.add_request(
-            Request(
-                request_id,
-                prompt_token_ids,
-                params,
-                cache_salt=parent.cache_salt,
-                priority=parent.priority,
-                arrival_time=arrival_time,
-                skip_reading_prefix_cache=prompt is not None,
-            )
-        )
-
-    def _fork_sample(
-        self, carrier: Request, sample_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        """Forks a sample from its prefilled carrier (ValueError when it cannot)."""
-        self._fork(carrier, sample_id, prompt_token_ids, None, params)
 
     # ------------------------------------------------------------ step
     @_serialised
@@ -667,14 +627,10 @@ class Engine:
         return self._after_outputs(finished)
 
     def _after_outputs(self, finished: list[EngineOutput]) -> list[EngineOutput]:
-        """Parallel sampling after a step's tokens: parents whose prompt was just
-        prefilled get their samples forked; finished samples are gathered into their
-        parent, which is returned once, when its last sample finishes."""
+        """Parallel sampling's turn after a step's tokens (ParallelSampling.after_step)."""
         sampling = self.parallel_sampling
-        if sampling.prefilling:
-            sampling.fork_prefilled(self.scheduler.requests)
-        if sampling.parent_of:
-            finished = sampling.gather(finished)
+        if sampling.parents:
+            finished = sampling.after_step(finished, self.scheduler.requests)
         return finished
 
     def _roll_back(
@@ -725,64 +681,59 @@ class Engine:
         """Applies one finished device step's tokens; stops; returns the finished requests.
 
         The order: prompt logprobs filed; sampled (or emitted) tokens read, their
-        logprobs and first-token times recorded; speculative stop strings cut the
-        emitted lists; grammars accept; the scheduler appends the tokens and checks
-        token stops; then stops by string, errors (non-finite logits, a refused token)
-        and grammar ends; the input batch gets the tokens; finished requests go out.
+        logprobs and first-token times recorded (the output processor; the speculator
+        reads emitted tokens); speculative stop strings cut the emitted lists; grammars
+        accept; the scheduler appends the tokens and checks token stops; then stops by
+        string, errors (non-finite logits, a refused token) and grammar ends; the input
+        batch gets the tokens; finished requests go out.
         """
         output = self.output
         if step.prompt:  # before a request that finishes in this step reports them
             output.record_prompt_logprobs(step, result)
         sched = self.scheduler
-        live_get = sched.requests.get
+        requests = sched.requests
         spec = result.num_emitted is not None
         if spec:
-            sampled, broken = self.speculator.read(step, result, live_get)
+            sampled, broken = self.speculator.read(step, result, requests.get)
             output.record_emitted(step, result, sampled)
-            string_stops = output.cut_at_stop_strings(sampled, sched.requests)
+            string_stops = output.cut_at_stop_strings(sampled, requests)
         else:
-            sampled, broken = self._read_sampled(step, result)
-            output.record_sampled(step, result, sampled, live_get)
+            sampled, broken = output.read_sampled(step, result, requests.get)
         structured = self.structured
         refused, grammar_done = (
-            structured.accept(sampled, sched.requests, self.eos_token_ids)
+            structured.accept(sampled, requests, self.eos_token_ids)
             if structured.matchers
             else ((), ())
         )
         done = sched.update_from_output(step.out, sampled, self.eos_token_ids)
         live = sampled
         if done:
-            done_ids = set()
             for req in done:
-                done_ids.add(req.request_id)
                 output.ended_by_tokens(req, sampled[req.request_id])
+            done_ids = {req.request_id for req in done}
             live = {k: v for k, v in sampled.items() if k not in done_ids}
+
+        def end(req: Request, status: RequestStatus, error: str | None = None) -> None:
+            sched.finish_request(req.request_id, status, error)
+            done.append(req)
+
         stopped = RequestStatus.FINISHED_STOPPED
         if spec:
             for req_id, stop in string_stops.items():
                 if req_id in live:
-                    req = sched.requests[req_id]
-                    sched.finish_request(req_id, stopped)
+                    end(requests[req_id], stopped)
                     output.set_stop_reason(req_id, stop)
                     live.pop(req_id)
-                    done.append(req)
         for req in broken:  # its token is garbage: it ends here, the others go on
-            if req.is_finished():  # a stop among its kept speculative tokens came first
-                continue
-            sched.finish_request(
-                req.request_id, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR
-            )
-            done.append(req)
+            if not req.is_finished():  # else a stop among its kept speculative tokens came first
+                end(req, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR)
         for req, token in refused:
-            message = GRAMMAR_REFUSED_ERROR.format(token=token)
-            sched.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, message)
-            done.append(req)
+            end(req, RequestStatus.FINISHED_ERROR, GRAMMAR_REFUSED_ERROR.format(token=token))
         for req_id in grammar_done:  # EOS ended the grammar under ignore_eos: a stop
-            req = sched.requests.get(req_id)
+            req = requests.get(req_id)
             if req is not None and not req.is_finished():
-                sched.finish_request(req_id, stopped)
+                end(req, stopped)
                 live.pop(req_id, None)
-                done.append(req)
         batch = self.input_batch
         row_of = batch.row_of
         if spec:
@@ -796,15 +747,8 @@ class Engine:
             keep = [i for i, row in enumerate(rows) if row is not None]
             rows = [rows[i] for i in keep]
             tokens = [tokens[i] for i in keep]
-        stop_ids = output.stop_string_ids
-        if stop_ids and output.detokenize is not None:
-            for req_id in live:
-                if req_id not in stop_ids:
-                    continue
-                req = sched.requests[req_id]
-                if output.stop_string_hit(req) is not None:
-                    sched.finish_request(req_id, stopped)
-                    done.append(req)
+        for req in output.string_stops(live, requests):
+            end(req, stopped)
         batch.append_sampled(rows, tokens)
         finished = []
         for req in done:
@@ -844,38 +788,6 @@ class Engine:
             batch.replace_block_ids(req_id, updates)
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
-
-    def _read_sampled(
-        self, step: InFlightStep, result: Any
-    ) -> tuple[dict[str, int], list[Request]]:
-        """req_id -> sampled token for sequences that reached their end, and the live
-        requests whose logits were not finite (none sampled)."""
-        live_get = self.scheduler.requests.get
-        token_ids = result.token_ids.tolist()
-        # A prefill chunk that does not reach the end samples nothing (seq.samples is
-        # False); a request that ended while this step was in flight (async) drops its
-        # extra token, even if a new request reuses its id.
-        seqs = step.out.scheduled
-        req_ids = list(map(_req_id_of, seqs))
-        if all(map(_samples_of, seqs)) and all(
-            map(operator.is_, map(live_get, req_ids), step.requests)
-        ):  # the usual decode step, checked and built without a Python-level loop
-            sampled = dict(zip(req_ids, token_ids))
-        else:
-            sampled = {
-                req_id: token
-                for req_id, seq, req, token in zip(req_ids, seqs, step.requests, token_ids)
-                if seq.samples and live_get(req_id) is req
-            }
-        broken = []
-        nonfinite = result.nonfinite
-        if nonfinite is not None and nonfinite.any():
-            for i in np.flatnonzero(nonfinite).tolist():
-                req = step.requests[i]
-                if live_get(req.request_id) is req:
-                    broken.append(req)
-                    sampled.pop(req.request_id, None)
-        return sampled, broken
 
     def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
         if params.min_tokens == 0:

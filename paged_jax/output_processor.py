@@ -11,6 +11,7 @@ timings. ``request_output`` then turns a finished EngineOutput into vLLM's Reque
 from __future__ import annotations
 
 import dataclasses
+import operator
 import statistics
 import time
 from array import array
@@ -33,6 +34,9 @@ from paged_jax.outputs import (
 )
 from paged_jax.prompt_logprobs import PromptLogprobs
 from paged_jax.sampling_params import SamplingParams
+
+_req_id_of = operator.attrgetter("req_id")
+_samples_of = operator.attrgetter("samples")
 
 # Characters of output text past the longest stop string that a new match can start in
 # (a token's text is rarely longer).
@@ -247,6 +251,42 @@ class OutputProcessor:
         )
 
     # ------------------------------------------------------------ sampled tokens
+    def read_sampled(
+        self, step: InFlightStep, result: Any, live_get: Callable[[str], Request | None]
+    ) -> tuple[dict[str, int], list[Request]]:
+        """Reads a plain (not speculative) step's tokens and records their first-token
+        times and logprob entries.
+
+        Returns req_id -> sampled token for the sequences that reached their end, and
+        the live requests whose logits were not finite (none sampled).
+        """
+        token_ids = result.token_ids.tolist()
+        # A prefill chunk that does not reach the end samples nothing (seq.samples is
+        # False); a request that ended while this step was in flight (async) drops its
+        # extra token, even if a new request reuses its id.
+        seqs = step.out.scheduled
+        req_ids = list(map(_req_id_of, seqs))
+        if all(map(_samples_of, seqs)) and all(
+            map(operator.is_, map(live_get, req_ids), step.requests)
+        ):  # the usual decode step, checked and built without a Python-level loop
+            sampled = dict(zip(req_ids, token_ids))
+        else:
+            sampled = {
+                req_id: token
+                for req_id, seq, req, token in zip(req_ids, seqs, step.requests, token_ids)
+                if seq.samples and live_get(req_id) is req
+            }
+        broken = []
+        nonfinite = result.nonfinite
+        if nonfinite is not None and nonfinite.any():
+            for i in np.flatnonzero(nonfinite).tolist():
+                req = step.requests[i]
+                if live_get(req.request_id) is req:
+                    broken.append(req)
+                    sampled.pop(req.request_id, None)
+        self.record_sampled(step, result, sampled, live_get)
+        return sampled, broken
+
     def record_sampled(
         self, step: InFlightStep, result: Any, sampled: dict[str, int], live_get: Callable
     ) -> None:
@@ -339,6 +379,20 @@ class OutputProcessor:
         if stop is not None:
             st.stop_reason = stop
         return stop
+
+    def string_stops(
+        self, request_ids: Iterable[str], requests: Mapping[str, Request]
+    ) -> list[Request]:
+        """The requests among ``request_ids`` (each just given a token) whose output text
+        now holds one of their stop strings; each one's stop_reason is set to it."""
+        stop_ids = self.stop_string_ids
+        if not stop_ids or self.detokenize is None:
+            return []
+        return [
+            requests[req_id]
+            for req_id in request_ids
+            if req_id in stop_ids and self.stop_string_hit(requests[req_id]) is not None
+        ]
 
     def cut_at_stop_strings(
         self, sampled: dict[str, list[int]], requests: dict[str, Request]

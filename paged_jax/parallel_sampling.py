@@ -14,8 +14,9 @@ would prefill the whole prompt and find only its full blocks in the prefix cache
 
 ``ParallelSampleRequest`` keeps one parent's bookkeeping (ids, per-sample settings,
 finished samples, the merged output); ``ParallelSampling`` is the engine's component for
-all of them: it queues carriers, forks samples after the prefill and gathers finished
-samples into their parent's output, through three engine calls (queue, fork, abort).
+all of them: it queues carriers, forks samples after the prefill, gathers finished
+samples into their parent's output and aborts parents, through four engine calls (queue,
+fork, abort, is_live); the engine calls it after each step's tokens (``after_step``).
 Pure Python; never imports jax.
 """
 
@@ -26,12 +27,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from paged_jax.core.request import RequestStatus
+from paged_jax.core.request import Request, RequestStatus
 from paged_jax.outputs import EngineOutput
 from paged_jax.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from paged_jax.core.request import Request
     from paged_jax.prompt_logprobs import PromptLogprobs
 
 CARRIER_SUFFIX = "__prefill"
@@ -151,12 +151,13 @@ class ParallelSampling:
     """The engine's live parallel-sampling parents and the requests they run.
 
     Args:
-        queue: ``queue(request_id, prompt_token_ids, params, parent, arrival_time,
-            prompt)`` queues one of a parent's requests as a plain engine request;
-            ``prompt`` is the parent's PromptLogprobs when this request must compute
-            them (it then skips reading the prefix cache), else None.
-        fork: ``fork(carrier, sample_id, prompt_token_ids, params)`` forks a sample
-            from its prefilled carrier (a Request); ValueError when it cannot.
+        queue: ``queue(request, prompt)`` queues one of a parent's requests (a Request)
+            as a plain engine request; ``prompt`` is the parent's PromptLogprobs when
+            this request must compute them (it then skips reading the prefix cache),
+            else None.
+        fork: ``fork(carrier, sample_id, prompt_token_ids, output_token_ids, params)``
+            (the engine's fork, output_token_ids None) forks a sample from its
+            prefilled carrier (a Request); ValueError when it cannot.
         abort: ``abort(request_id) -> EngineOutput`` ends a live engine request.
         is_live: ``is_live(request_id)``: a plain engine request holds the id.
 
@@ -238,10 +239,31 @@ class ParallelSampling:
         """Queues a parent's carrier or one of its samples (computing the parent's prompt
         logprobs while they are incomplete)."""
         prompt = self.prompt_logprobs.get(parent.request_id)
-        computes = prompt is not None and not prompt.complete
-        self.queue(
-            request_id, prompt_token_ids, params, parent, arrival_time, prompt if computes else None
+        if prompt is not None and prompt.complete:
+            prompt = None
+        req = Request(
+            request_id,
+            prompt_token_ids,
+            params,
+            cache_salt=parent.cache_salt,
+            priority=parent.priority,
+            arrival_time=arrival_time,
+            skip_reading_prefix_cache=prompt is not None,
         )
+        self.queue(req, prompt)
+
+    def after_step(
+        self, finished: list[EngineOutput], requests: Mapping[str, Request]
+    ) -> list[EngineOutput]:
+        """What the engine calls after each step's tokens while a parent is live:
+        parents whose carrier was just prefilled get their samples forked
+        (``fork_prefilled``); finished samples are gathered into their parent, returned
+        once, when its last sample finishes (``gather``)."""
+        if self.prefilling:
+            self.fork_prefilled(requests)
+        if self.parent_of:
+            finished = self.gather(finished)
+        return finished
 
     def fork_prefilled(self, requests: Mapping[str, Request]) -> None:
         """Forks the samples of every parent whose carrier's first token was just read.
@@ -262,7 +284,7 @@ class ParallelSampling:
                 try:
                     if not alive:
                         raise ValueError("the carrier is not running")
-                    self.fork(req, sample_id, parent.prompt_token_ids, params)
+                    self.fork(req, sample_id, parent.prompt_token_ids, None, params)
                 except ValueError:
                     # A fallback sample arrives now: it joins the queue behind what came since.
                     self._queue(parent, sample_id, parent.prompt_token_ids, params, None)
@@ -286,6 +308,25 @@ class ParallelSampling:
                 if parent.done:
                     out.append(self.release(parent))
         return out
+
+    def abort_request(self, request_id: str) -> EngineOutput | None:
+        """Engine.abort_request for the ids of live parents: a parent ends now
+        (``abort_parent``) and its output is returned; None when no live parent uses
+        ``request_id``.
+
+        Raises:
+            ValueError: ``request_id`` is a parent's carrier or sample (abort the parent).
+        """
+        parent = self.parents.get(request_id)
+        if parent is not None:
+            return self.abort_parent(parent)
+        owner = self.parent_of.get(request_id)
+        if owner is not None:
+            raise ValueError(
+                f"request_id={request_id!r} must name a live request, not a part of the "
+                f"parallel-sampling request {owner.request_id!r} (abort that one)"
+            )
+        return None
 
     def abort_parent(self, parent: ParallelSampleRequest) -> EngineOutput:
         """Ends a parent now: its carrier and unfinished samples are aborted; its output
