@@ -21,8 +21,14 @@ from typing import Any, NamedTuple
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import PROMPT_BYTES_PER_TOKEN
+from paged_jax.distributed import (
+    JoinError,
+    broadcast_from_primary,
+    is_runtime_failure,
+    leave_job,
+    settings_from,
+)
 from paged_jax.distributed import initialize as initialize_distributed
-from paged_jax.distributed import settings_from
 from paged_jax.entrypoints.data_parallel import (
     add_data_parallel_flags,
     check_data_parallel_args,
@@ -417,6 +423,7 @@ class _Plan:
     chat_template: str | None  # the --chat-template file's text
     cache_use: dict[str, int] = dataclasses.field(default_factory=dict)  # warm-up hits/misses
     interrupt: _Interrupt | None = None
+    multiprocess: bool = False  # one of the processes of a multi-process engine
 
 
 def _prepare(args: argparse.Namespace) -> _Plan:
@@ -495,6 +502,15 @@ def _prepare(args: argparse.Namespace) -> _Plan:
     )
     if any(r.params.structured_outputs is not None for r in requests):
         _check_grammar_library()
+    # A multi-process engine: every process runs this command, process 0 writes.
+    job = settings_from(
+        EngineConfig(**{k: v for k, v in engine_args.items() if k.startswith("distributed_")})
+    )
+    if job is not None:  # join before the checks below start jax's backend
+        initialize_distributed(job)
+        # Process 0's job is every process's: admission comes from it (LLM.generate_iter),
+        # and an engine sized to each process's own file would compile other programs.
+        lines, requests = broadcast_from_primary((lines, requests))
     job_size = None
     if requests:
         engine_args, job_size = size_engine(
@@ -504,12 +520,6 @@ def _prepare(args: argparse.Namespace) -> _Plan:
             num_requests=len(requests),
         )
         EngineConfig(**engine_args)
-    # A multi-process engine: every process runs this command, process 0 writes.
-    job = settings_from(
-        EngineConfig(**{k: v for k, v in engine_args.items() if k.startswith("distributed_")})
-    )
-    if job is not None:  # join before the checks below start jax's backend
-        initialize_distributed(job)
     writes = job is None or job.process_id == 0
     from pallas_kernels.backend import check_backend
 
@@ -538,6 +548,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         summary_path,
         compile_cache,
         None if chat_template is None else chat_template.source,
+        multiprocess=job is not None,
     )
 
 
@@ -656,6 +667,11 @@ def _main(argv: list[str] | None) -> int:
             return 2
         except KeyboardInterrupt:
             return 130
+        except JoinError as err:  # a peer never came: jax's half-made job is left unshut
+            print(f"{PROG}: error: {err}", file=sys.stderr)
+            if argv is None:
+                leave_job(1)
+            return 1
         plan.interrupt = interrupt
         return _serve(args, plan)
 
@@ -681,6 +697,8 @@ def _serve(args: argparse.Namespace, plan: _Plan) -> int:
             )
         if isinstance(err, KeyboardInterrupt):
             return 130
+        if plan.multiprocess and is_runtime_failure(err):
+            _leave_after_peer_failure(err)
         if fatal:
             print(f"{PROG}: error: {err}", file=sys.stderr)
             return 2
@@ -754,7 +772,22 @@ def _run(args: argparse.Namespace, plan: _Plan) -> int:
         # The bar's last rate is the summary's figure, from the same counter and clock.
         records.bar.set_postfix_str(f"out {summary['generated_tokens_per_s']} tok/s", refresh=True)
         records.bar.close()
-    return _finish(args, plan, records, summary)
+    code = _finish(args, plan, records, summary)
+    if plan.multiprocess and engine_error is not None and is_runtime_failure(engine_error):
+        leave_job(code)  # outputs are written; see _leave_after_peer_failure
+    return code
+
+
+def _leave_after_peer_failure(err: BaseException) -> None:
+    """Ends a process whose engine's collectives failed (a peer died): exit 1, one line.
+
+    Such a process cannot go on using jax: at exit jax waits for every process in a
+    shutdown barrier, and with a peer gone it aborts after the heartbeat timeout (SIGABRT,
+    exit 134, a C++ stack dump). Outputs are written before this is called.
+    """
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    print(f"{PROG}: error: the engine's processes lost each other ({first})", file=sys.stderr)
+    leave_job(1)
 
 
 def _generate(
