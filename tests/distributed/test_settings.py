@@ -5,7 +5,18 @@ from __future__ import annotations
 import pytest
 
 from paged_jax.config import EngineConfig
-from paged_jax.distributed import DistributedSettings, LockstepGuard, schedule_digest, settings_from
+from paged_jax.distributed import (
+    PER_PROCESS_FIELDS,
+    ConfigMismatchError,
+    DistributedSettings,
+    LockstepError,
+    LockstepGuard,
+    allgather_objects,
+    check_same_config,
+    config_differences,
+    schedule_digest,
+    settings_from,
+)
 
 
 def test_one_process_by_default():
@@ -62,3 +73,44 @@ def test_the_guard_checks_every_n_steps_at_admissions_or_always():
     assert g.due(5, admitted=True)
     assert LockstepGuard(16, every_step=True).due(5, admitted=False)
     assert schedule_digest([("a", 1)]) != schedule_digest([("a", 2)])
+
+
+def test_the_join_timeout_travels_from_the_config_and_the_cli_flag():
+    from paged_jax.entrypoints.generate_cli import build_parser, engine_args_from_args
+
+    job = dict(distributed_coordinator_address="h:1", distributed_num_processes=2)
+    config = EngineConfig(**job, distributed_process_id=0, distributed_init_timeout_s=7)
+    assert settings_from(config, environ={}).init_timeout_s == 7
+    assert settings_from(EngineConfig(**job, distributed_process_id=1), environ={}) == (
+        DistributedSettings("h:1", 2, 1, 30, 120)
+    )
+    args = build_parser().parse_args(["--distributed-init-timeout", "5"])
+    assert engine_args_from_args(args)["distributed_init_timeout_s"] == 5
+    with pytest.raises(ValueError, match="distributed_init_timeout_s=0 must be an int >= 1"):
+        EngineConfig(distributed_init_timeout_s=0)
+
+
+def test_config_differences_name_every_field_that_shapes_programs():
+    a = EngineConfig(max_num_seqs=4, distributed_num_processes=2, distributed_process_id=0)
+    b = EngineConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        distributed_num_processes=2,
+        distributed_process_id=1,
+        distributed_heartbeat_timeout_s=5,
+        distributed_init_timeout_s=9,
+    )
+    assert config_differences([a, b]) == {
+        "max_num_seqs": [4, 8],
+        "max_num_batched_tokens": [512, 256],
+    }
+    assert config_differences([a, a]) == {}
+    assert "distributed_process_id" in PER_PROCESS_FIELDS
+    # The CLI reports it as bad input (exit 2); the engine as a lockstep failure.
+    assert issubclass(ConfigMismatchError, ValueError)
+    assert issubclass(ConfigMismatchError, LockstepError)
+
+
+def test_one_process_agrees_with_itself():
+    assert allgather_objects({"a": 1}) == [{"a": 1}]
+    check_same_config(EngineConfig(max_num_seqs=4))  # no other process: nothing to differ

@@ -1,0 +1,132 @@
+"""Faults of the multi-process CLI (issue 38 items 3-5): each ends in one line and a clean exit.
+
+- the processes given different engine flags: both exit 2 naming the field and each
+  process's value, before the model loads (a different prompts file on process 1 is
+  covered by test_multiprocess_cli: process 0's job sizes every engine);
+- a peer that never starts: process 0 gives up after --distributed-init-timeout with one
+  line, and Ctrl-C ends the wait (jax's join blocks in C++, deaf to it);
+- a peer killed mid-run: the survivor writes its error records and a valid output file
+  and exits 1 (it died by SIGABRT in jax's shutdown barrier).
+
+Every process runs as a subprocess; each wait has a generous hang guard (a lost peer
+would block CI), and no test asserts how long anything took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Hang guards, not speed limits: two engine processes start, compile and run in minutes
+# on a loaded 2-core machine.
+RUN_GUARD_S = 900
+START_GUARD_S = 300
+LINES = [f"the cat sat on mat {i}" for i in range(4)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(model_dir, tmp, rank, port, *extra, name=None):
+    """Starts one process of a 2-process CLI job (2 forced CPU devices, TP=4); its log path."""
+    name = name or f"p{rank}"
+    prompts = tmp / "prompts.txt"
+    prompts.write_text("\n".join(LINES) + "\n")
+    cmd = [sys.executable, "-m", "paged_jax.entrypoints.generate_cli", "--model", str(model_dir)]
+    cmd += ["--prompts", str(prompts), "--output", str(tmp / f"{name}.jsonl"), "--no-tqdm"]
+    cmd += ["--no-compile-cache", "--temperature", "0", "--ignore-eos"]
+    cmd += ["--tensor-parallel-size", "4", "--coordinator-address", f"127.0.0.1:{port}"]
+    cmd += ["--num-processes", "2", "--process-id", str(rank), *extra]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    log = tmp / f"{name}.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+    return proc, log
+
+
+def _wait(procs, guard_s):
+    """Exit codes; kills every process and fails the test past the hang guard."""
+    deadline = time.monotonic() + guard_s
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a process did not exit within {guard_s} s (a hang)")
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _errors(log) -> list[str]:
+    return [line for line in log.read_text().splitlines() if "error" in line.lower()]
+
+
+def test_processes_given_different_engine_flags_fail_in_one_line(model_dir, tmp_path):
+    port = _free_port()
+    p0, log0 = _start(model_dir, tmp_path, 0, port, "--max-num-seqs", "4")
+    p1, log1 = _start(model_dir, tmp_path, 1, port, "--max-num-seqs", "8")
+    assert _wait([p0, p1], START_GUARD_S) == [2, 2], log0.read_text()[-3000:]
+    for log in (log0, log1):
+        errors = _errors(log)
+        assert len(errors) == 1, log.read_text()[-3000:]
+        assert "different engine configs (max_num_seqs: process 0 4, process 1 8)" in errors[0]
+        assert "Traceback" not in log.read_text()
+    assert list(tmp_path.glob("p0.jsonl*")) == []  # no output, no .partial
+
+
+def test_a_peer_that_never_starts_ends_process_0_in_one_line_and_ctrl_c_works(model_dir, tmp_path):
+    # Two lone processes 0, each waiting for a process 1 that never comes.
+    timed, log = _start(model_dir, tmp_path, 0, _free_port(), "--distributed-init-timeout", "5")
+    port = _free_port()
+    waiting, log_c = _start(
+        model_dir, tmp_path, 0, port, "--distributed-init-timeout", "3600", name="ctrl_c"
+    )
+    # jax's coordinator listens once the join has begun: Ctrl-C lands in the wait.
+    deadline = time.monotonic() + START_GUARD_S
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if waiting.poll() is not None or time.monotonic() > deadline:
+            _wait([timed, waiting], 1)
+            pytest.fail("the coordinator never listened:\n" + log_c.read_text()[-3000:])
+        time.sleep(0.2)
+    waiting.send_signal(signal.SIGINT)
+    assert _wait([timed, waiting], START_GUARD_S) == [1, 130], log.read_text()[-3000:]
+    errors = _errors(log)
+    assert len(errors) == 1, log.read_text()[-3000:]
+    assert "not every process joined within distributed_init_timeout_s=5 s" in errors[0]
+    assert "--distributed-init-timeout" in errors[0]
+    assert "Traceback" not in log.read_text() and "Check failure" not in log.read_text()
+    assert list(tmp_path.glob("p0.jsonl*")) == []
+    assert "Check failure" not in log_c.read_text()
+
+
+def test_a_killed_peer_leaves_the_survivor_exit_1_with_error_records(model_dir, tmp_path):
+    port = _free_port()
+    extra = ("--max-tokens", "200", "--max-model-len", "256")  # far from done at the kill
+    p0, log0 = _start(model_dir, tmp_path, 0, port, *extra)
+    p1, log1 = _start(model_dir, tmp_path, 1, port, *extra)
+    deadline = time.monotonic() + RUN_GUARD_S
+    while "warm-up done" not in log1.read_text():
+        if p1.poll() is not None or time.monotonic() > deadline:
+            _wait([p0, p1], 1)
+            pytest.fail("process 1 never finished warm-up:\n" + log1.read_text()[-3000:])
+        time.sleep(0.1)
+    p1.kill()
+    assert _wait([p0], RUN_GUARD_S) == [1], log0.read_text()[-3000:]
+    text = log0.read_text()
+    assert "Check failure" not in text and "Traceback" not in text, text[-3000:]
+    assert "the engine failed" in text
+    records = [json.loads(line) for line in (tmp_path / "p0.jsonl").read_text().splitlines()]
+    assert [r["line"] for r in records] == [1, 2, 3, 4]
+    assert all("the engine failed before this request finished" in r["error"] for r in records)
