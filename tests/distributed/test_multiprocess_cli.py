@@ -1,7 +1,10 @@
 """The documented two-process command: paged-jax-generate on every process, TP over both.
 
 Each process runs the same command with its own --process-id; only process 0 writes
-the output file, and its records equal the one-process run's.
+the output file, and its records equal the one-process run's. Process 1 is given another
+prompts file, 16 times longer: process 0's job is every process's (its requests are
+served, its size sizes every engine), where each process used to size its engine to its
+own file and both died in mismatched collectives (issue 38 item 3).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path)
     # Timeouts here are hang guards only (a lost peer would otherwise block CI).
     subprocess.run(_cli(model_dir, prompts, one), check=True, capture_output=True, timeout=900)
 
+    other = tmp_path / "other.txt"  # process 1's own file: 64 longer lines
+    other.write_text("".join(f"a longer prompt about paged attention {i}\n" for i in range(64)))
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     procs, logs = [], []
@@ -49,7 +54,7 @@ def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path)
         log = (tmp_path / f"cli_{rank}.log").open("w")
         logs.append(log)
         out = tmp_path / f"out_{rank}.jsonl"
-        cmd = _cli(model_dir, prompts, out, *extra)
+        cmd = _cli(model_dir, prompts if rank == 0 else other, out, *extra)
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
     try:
         codes = [p.wait(timeout=900) for p in procs]
@@ -59,5 +64,8 @@ def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path)
         for log in logs:
             log.close()
     assert codes == [0, 0], (tmp_path / "cli_0.log").read_text()[-3000:]
+    # Both engines were sized to process 0's 4 requests.
+    for rank in (0, 1):
+        assert "engine sized to the job (4 requests" in (tmp_path / f"cli_{rank}.log").read_text()
     assert not (tmp_path / "out_1.jsonl").exists()  # only process 0 writes
     assert _records(tmp_path / "out_0.jsonl") == _records(one)
