@@ -4,10 +4,12 @@ add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.dispatch
             -> Scheduler.update_from_output -> OutputProcessor -> finished EngineOutputs
 
 The core schedules, executes, applies sampled tokens and rolls a failed step back (see
-``Engine.step``); it never looks at text. The output side (logprob entries, stop
-strings, first-token times, EngineOutputs) is ``paged_jax.output_processor``; features
+``Engine.step``); it never looks at text. The output side (a step's sampled tokens
+read, logprob entries, stop strings, first-token times, EngineOutputs) is
+``paged_jax.output_processor``; features
 are components the core calls from one place each: parallel sampling
-(``paged_jax.parallel_sampling``: a parent's samples forked after one prefill),
+(``paged_jax.parallel_sampling``: a parent's requests queued, its samples forked
+after one prefill and gathered),
 structured outputs (``paged_jax.structured_outputs.StructuredOutputs``: a bitmask per
 step) and speculative decoding (``paged_jax.spec_decode.speculator``: proposals in,
 verified tokens out). The core also owns forks (``fork_request``); one lock serialises
@@ -59,6 +61,7 @@ from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
+
 
 def _serialised(method):
     """Runs an Engine method under the engine's lock: one thread inside at a time."""

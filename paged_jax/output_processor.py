@@ -1,7 +1,8 @@
 """The engine's output side: per-step results -> EngineOutputs -> RequestOutputs.
 
 The core (paged_jax.engine) schedules, runs the step and appends each request's sampled
-tokens; it never looks at text. This module keeps what only outputs need, per request:
+tokens; it never looks at text. This module reads a plain step's sampled tokens off its
+result for the core (``read_sampled``) and keeps what only outputs need, per request:
 logprob entries, the first-token time, stop strings (detokenized tails) and the stop
 reason, prompt logprobs, the prefix-cache hit at admission; and per step the host
 timings. ``request_output`` then turns a finished EngineOutput into vLLM's RequestOutput
