@@ -831,11 +831,17 @@ class GrammarCompiler:
                 raise
             message = str(e) or type(e).__name__
         if message:
+            reason = _one_line(message)
+            if kind == "choice" and "Current row has" in reason:
+                reason += (
+                    " (more alternatives than its parser holds: the same strings as "
+                    'json={"enum": [...]} are not limited this way)'
+                )
             raise _field_error(
                 "StructuredOutputsParams",
                 field,
                 getattr(params, kind),
-                f"{_EXPECTED_BY_BACKEND[kind]}: {_one_line(message)}",
+                f"{_EXPECTED_BY_BACKEND[kind]}: {reason}",
             )
         compile_s = time.perf_counter() - start
         after = _allocated_bytes()
