@@ -15,8 +15,10 @@ so the emitted tokens follow the target's distribution exactly (Leviathan et al.
 et al.). q is the draft's distribution (draft_probs), or a point mass on x_j when
 proposals are deterministic (n-gram): accept with probability p(x_j), resample from p
 without x_j. Every draw keys on the request's seed and the output position it fills
-(fold_in(PRNGKey(seed), num_output_before)), so outputs are deterministic per request
-and position; with no drafts the emitted token is the one ``sampling.sample`` draws.
+(fold_in(PRNGKey(seed), num_output_before)), and the recovered and bonus draws key their
+noise by token id too (``sampling.race``), so outputs are deterministic per request and
+position and no token's rank moves them; with no drafts the emitted token is the one
+``sampling.sample`` draws.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from paged_jax.worker.sampling import (
     apply_bitmask,
     apply_penalties,
     ban_tokens,
+    filter_row,
+    processed_logits,
+    race,
     token_logprobs,
 )
 from paged_jax.worker.step_input import SamplingMetadata, SpecDecodeInput
@@ -71,27 +76,8 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.A
         f32[V] probabilities after temperature, top-k, top-p and min-p (zero outside
         the kept set, renormalised).
     """
-    return _probs_and_draw(logits, temperature, top_k, top_p, min_p, None)[0]
-
-
-def _probs_and_draw(logits, temperature, top_k, top_p, min_p, key):
-    """filtered_probs and, with a key, the token ``sampling.sample_row`` draws with it
-    (one sort for both: the draw is categorical over the same kept, sorted logits)."""
-    vocab = logits.shape[0]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    order = jnp.argsort(scaled, descending=True, stable=True)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    keep &= (jnp.cumsum(probs) - probs) < top_p
-    keep &= probs >= min_p * probs[0]
-    keep = keep.at[0].set(True)
-    kept_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-    probs = jnp.zeros(vocab, jnp.float32).at[order].set(jax.nn.softmax(kept_logits))
-    if key is None:
-        return probs, None
-    return probs, order[jax.random.categorical(key, kept_logits)].astype(jnp.int32)
+    return jax.nn.softmax(filter_row(scaled, top_k, top_p, min_p))
 
 
 def rejection_sample(
@@ -129,13 +115,15 @@ def rejection_sample(
     valid = pos < num_draft[:, None]  # [S, k]
     drafts = jnp.where(valid, draft_token_ids, 0)
 
-    def per_position(fn, *args):
-        """fn over sequences and positions; args[1:5] are per-sequence settings."""
-        axes = (0, None, None, None, None) + (0,) * (len(args) - 5)
-        return jax.vmap(jax.vmap(fn, in_axes=axes))(*args)
-
     def sampled_path():
-        p, bonus = per_position(_probs_and_draw, logits, temperature, top_k, top_p, min_p, keys)
+        # The plain sampler's logits and race, row by row: the bonus draw is its draw.
+        processed = processed_logits(
+            logits.reshape(num_seqs * k1, vocab),
+            *(jnp.repeat(x, k1) for x in (temperature, top_k, top_p, min_p)),
+        )
+        flat_keys = keys.reshape(num_seqs * k1, *keys.shape[2:])
+        bonus = jax.vmap(race)(processed, flat_keys).reshape(num_seqs, k1)
+        p = jax.nn.softmax(processed, axis=-1).reshape(num_seqs, k1, vocab)
         p_drafts = p[:, :k]  # [S, k, V]
         p_x = jnp.take_along_axis(p_drafts, drafts[..., None], axis=-1)[..., 0]
         if draft_probs is None:
@@ -154,13 +142,10 @@ def rejection_sample(
         # up to rounding): fall back to p itself.
         empty = residual.sum(axis=-1, keepdims=True) <= 0
         residual = jnp.where(empty, p_drafts, residual)
+        # Zero residual mass is log 0 = -inf: never drawn.
         recovered = jax.vmap(
-            jax.vmap(
-                lambda key, r: jax.random.categorical(
-                    jax.random.fold_in(key, _RESAMPLE_TAG), jnp.log(r)
-                )
-            )
-        )(draft_keys, residual).astype(jnp.int32)
+            jax.vmap(lambda key, r: race(jnp.log(r), jax.random.fold_in(key, _RESAMPLE_TAG)))
+        )(draft_keys, residual)
         return accept, recovered, bonus
 
     def greedy_path():

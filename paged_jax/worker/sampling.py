@@ -1,11 +1,11 @@
 """Device sampling: penalties, greedy, temperature, top-k, top-p, min-p with per-request seeds.
 
-Every row draws from its own PRNG key, fold_in(PRNGKey(seed), num_generated), so a
-request's samples depend only on its seed, its logits and how many tokens it has
-made, never on what else shares the batch. A row whose raw logits are not all finite
-gets NONFINITE_TOKEN_ID, NaN log-probabilities and top ids 0: one reduction per step,
-carried in the sampled ids the host copies anyway.
-"""
+Every row draws with its own key, fold_in(PRNGKey(seed), num_generated), and noise keyed
+by token id (race), so a request's samples depend only on its seed, how many tokens it
+has made and each token's own logit, never on what else shares the batch or how tokens
+rank. A row whose raw logits are not all finite gets NONFINITE_TOKEN_ID, NaN
+log-probabilities and top ids 0: one reduction per step, carried in the sampled ids the
+host copies anyway."""
 
 from __future__ import annotations
 
@@ -25,6 +25,9 @@ __all__ = [
     "TokenLogprobs",
     "apply_penalties",
     "ban_tokens",
+    "filter_row",
+    "processed_logits",
+    "race",
     "sample_row",
     "sample",
     "token_logprobs",
@@ -190,23 +193,75 @@ def _maybe_penalize(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     )
 
 
-def sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
-    """Sample one token id from f32[V] logits after temperature, top-k, top-p, min-p."""
-    vocab = logits.shape[0]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    order = jnp.argsort(scaled, descending=True, stable=True)  # i32[V]
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    # Nucleus: keep the smallest prefix whose mass reaches top_p (the token that
-    # crosses the threshold stays in).
+def _filter_active(temperature, top_k, top_p, min_p, vocab: int) -> jax.Array:
+    """bool[...]: a sampled row whose top-k, top-p or min-p removes anything."""
+    k_on = (top_k > 0) & (top_k < vocab)
+    return (temperature > 0) & (k_on | (top_p < 1) | (min_p > 0))
+
+
+def filter_row(scaled: jax.Array, top_k, top_p, min_p) -> jax.Array:
+    """f32[V] temperature-scaled logits with -inf outside the top-k, top-p and min-p set.
+
+    The three filters each keep a prefix of the tokens sorted by probability, so the kept
+    set is every token at least as likely as the shortest prefix's last one: one sort of
+    the values (no ids) finds that threshold, and the mask is applied in id order. Top-k
+    and top-p read the whole distribution (the token that crosses top_p stays in), min-p
+    keeps p >= min_p * p_max; the most likely token always stays, a tie at the cut stays
+    too, and top_k = 0, top_p >= 1, min_p = 0 remove nothing (bitwise).
+    """
+    vocab = scaled.shape[0]
+    ranked = jnp.sort(scaled, descending=True)
+    probs = jax.nn.softmax(ranked)
     mass_before = jnp.cumsum(probs) - probs
-    keep &= mass_before < top_p
-    keep &= probs >= min_p * probs[0]
-    keep = keep.at[0].set(True)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
-    return order[choice].astype(jnp.int32)
+    num_k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    # mass_before can round up to 1 before the end of the vocabulary: top_p = 1 is off.
+    num_p = jnp.where(top_p < 1, jnp.sum(mass_before < top_p), vocab)
+    num_min_p = jnp.sum(probs >= min_p * probs[0])
+    num_kept = jnp.clip(jnp.minimum(jnp.minimum(num_k, num_p), num_min_p), 1, vocab)
+    keep = (num_kept >= vocab) | (scaled >= ranked[num_kept - 1])
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def processed_logits(logits: jax.Array, temperature, top_k, top_p, min_p) -> jax.Array:
+    """f32[S, V] the logits every row samples from: scaled by its temperature (rows with
+    temperature 0 as they are), -inf outside its top-k / top-p / min-p set.
+
+    The sort behind the filters runs only when some sampled row has one (a run-time
+    cond; both branches compile once); a row without a filter gets the same bits on
+    either branch, so its draw does not depend on what shares the batch.
+    """
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    vocab = logits.shape[-1]
+    return jax.lax.cond(
+        jnp.any(_filter_active(temperature, top_k, top_p, min_p, vocab)),
+        lambda: jax.vmap(filter_row)(scaled, top_k, top_p, min_p),
+        lambda: scaled,
+    )
+
+
+def race(logits: jax.Array, key: jax.Array) -> jax.Array:
+    """i32 index of one draw from softmax(logits) [V], keyed by token id.
+
+    An exponential race: token i arrives at q_i / p_i with q_i ~ Exp(1) drawn at index
+    i of the key's stream, and the first arrival wins (argmax of log p_i - log q_i). Token
+    i's noise depends on the key and i alone, so no other token's logit can move it: a
+    last-bit change between two nearly tied logits leaves every draw but a near tie of
+    the winner's race as it was. q comes from 32 random bits (-log1p(-u), u = bits/2^32),
+    so an exact 0 has probability 2^-32 per token, not the 2^-23 of a float uniform.
+    """
+    bits = jax.random.bits(key, logits.shape, jnp.uint32)
+    u = bits.astype(jnp.float32) * jnp.float32(2.0**-32)
+    arrival = -jnp.log1p(-u)  # Exp(1); u rounds to 1 (arrival inf) only for the slowest
+    # Tokens at -inf never win (and -inf + inf must not make a NaN).
+    score = jnp.where(logits > -jnp.inf, logits - jnp.log(arrival), -jnp.inf)
+    return jnp.argmax(score).astype(jnp.int32)
+
+
+def sample_row(logits: jax.Array, temperature, top_k, top_p, min_p, key) -> jax.Array:
+    """Sample one token id from f32[V] logits after temperature, top-k, top-p, min-p
+    (temperature > 0): filter_row, then race with the row's key."""
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    return race(filter_row(scaled, top_k, top_p, min_p), key)
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
@@ -244,12 +299,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         meta.seeds, meta.counters
     )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # The per-row sort behind top-k/top-p is the sampler's cost; an all-greedy batch
-    # skips it at run time (both branches are compiled once, so shapes stay static).
+    # An all-greedy batch skips the race (one [S, V] random draw) and the filters at run
+    # time (both branches are compiled once, so shapes stay static).
     sampled = jax.lax.cond(
         jnp.any(meta.temperature > 0),
-        lambda: jax.vmap(sample_row)(
-            logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys
+        lambda: jax.vmap(race)(
+            processed_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p),
+            keys,
         ),
         lambda: greedy,
     )
