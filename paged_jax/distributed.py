@@ -227,18 +227,18 @@ def initialize(settings: DistributedSettings) -> None:
     if not failure:
         return
     e = failure[0]
-    if isinstance(e, RuntimeError) and "backend" in str(e):
+    if isinstance(e, jax.errors.JaxRuntimeError):  # the runtime's join itself failed
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise JoinError(
+            f"could not join {where}: {first} (did every process start, with the same "
+            "--coordinator-address and --num-processes and its own --process-id?)"
+        ) from e
+    if isinstance(e, RuntimeError):  # jax's own checks, before any connection
         raise RuntimeError(
             f"could not join {where}: {e} (the engine must start before anything else in "
             "the process uses jax devices)"
         ) from e
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    raise JoinError(
-        f"could not join {where} within distributed_init_timeout_s="
-        f"{settings.init_timeout_s} s (--distributed-init-timeout): {first} (did every "
-        "process start, with the same --coordinator-address and --num-processes and its "
-        "own --process-id?)"
-    ) from e
+    raise e
 
 
 def num_processes() -> int:
