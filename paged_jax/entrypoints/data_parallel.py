@@ -27,10 +27,10 @@ import time
 import traceback
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from paged_jax.entrypoints.records import request_record
+from paged_jax.entrypoints.records import NOT_SERVED, request_record
 from paged_jax.entrypoints.replica import (
     CRASH_HOOK_ENV,
     REQUEST_JSON,
@@ -330,13 +330,14 @@ def run_data_parallel(args: argparse.Namespace, plan: Any, records: Any) -> dict
                         continue
                     del pending[index]
                     record = json.loads(text)
-                    if record.get("error") is None:
+                    if records.emit(record) and record.get("error") is None:
                         results.append(record)
-                    records.emit(record)
                     info = json.loads(stats)
                     seen = replicas.get(info["name"])
                     if seen is None or info["batches"] >= seen["batches"]:
                         replicas[info["name"]] = info
+                if records.output_error is not None:  # no further record can be kept
+                    break
         except Exception as err:  # noqa: BLE001 - the unfinished requests get records
             error = err
     finally:
@@ -345,6 +346,9 @@ def run_data_parallel(args: argparse.Namespace, plan: Any, records: Any) -> dict
         shutil.rmtree(job_dir, ignore_errors=True)
     if error is not None:
         _fail_unfinished(error, pending, records)
+    else:  # stopped early by the output file (the CLI's _finish reports it)
+        for line in pending.values():
+            records.emit(request_record(line, error=f"line {line.line}: {NOT_SERVED}"))
     summary = _summary(plan, args, results, records, replicas, duplicates)
     summary["ray_start_s"] = round(ray_start_s, 2)
     summary["job_s"] = round(time.perf_counter() - t_job, 2)
@@ -372,7 +376,8 @@ def _fail_unfinished(error: BaseException, pending: Mapping[int, Any], records: 
 
 
 def _summary(plan, args, results, records, replicas, duplicates) -> dict[str, Any]:
-    """The single-process summary's figures, each replica's engine figures combined."""
+    """The single-process summary's keys, each replica's engine figures merged, plus the
+    data-parallel ones."""
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in results)
     gen_tokens = sum(len(c["token_ids"]) for r in results for c in r["outputs"])
     each = list(replicas.values())
@@ -381,14 +386,7 @@ def _summary(plan, args, results, records, replicas, duplicates) -> dict[str, An
     # Generation wall: first batch started to last batch ended, on any replica (the
     # single-process wall_s also starts after load and warm-up).
     wall = max(ends) - min(starts) if starts and ends else 0.0
-
-    def most(key):
-        return max((r[key] for r in each), default=0)
-
-    def total(key):
-        return sum(r[key] for r in each)
-
-    load_s, warmup_s = most("load_s"), most("warmup_s")
+    merged = merge_replica_figures(each)
     return {
         "requests": len(plan.lines),
         "succeeded": len(results),
@@ -396,20 +394,98 @@ def _summary(plan, args, results, records, replicas, duplicates) -> dict[str, An
         "completions": sum(len(r["outputs"]) for r in results),
         "prompt_tokens": prompt_tokens,
         "generated_tokens": gen_tokens,
-        "load_s": round(load_s, 2),
-        "warmup_s": round(warmup_s, 2),
-        "load_and_warmup_s": round(max((r["load_s"] + r["warmup_s"] for r in each), default=0), 2),
+        **{k: merged.pop(k) for k in ("load_s", "warmup_s", "load_and_warmup_s")},
         "wall_s": round(wall, 2),
         "generated_tokens_per_s": round(gen_tokens / max(wall, 1e-9), 1),
         "total_tokens_per_s": round((prompt_tokens + gen_tokens) / max(wall, 1e-9), 1),
+        **merged,
+        "data_parallel_size": args.data_parallel_size,
+        "replica_processes": len(each),
+        "duplicates_dropped": duplicates,
+        "replicas": [{k: r[k] for k in _PER_REPLICA_KEYS if k in r} for r in each],
+    }
+
+
+# Start-up figures that are seconds: the summary gives the largest over the replicas.
+_STARTUP_SECONDS = (
+    "load_s",
+    "warmup_s",
+    "warmup_trace_s",
+    "warmup_lower_s",
+    "warmup_compile_s",
+    "warmup_cache_load_s",
+    "warmup_cache_save_s",
+    "warmup_run_s",
+    "warmup_other_s",
+)
+# Each replica's own line in the summary's "replicas" list.
+_PER_REPLICA_KEYS = (
+    "name",
+    "cores",
+    "load_s",
+    "warmup_s",
+    "start",
+    "programs_compiled",
+    "programs_loaded",
+    "requests",
+    "busy_s",
+    "steps",
+)
+
+
+def merge_replica_figures(each: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The single-process summary's engine figures from each replica process's figures.
+
+    How each kind of figure is merged:
+
+    - counts are summed over the processes (a replica restarted by Ray is a process of
+      its own): steps, preemptions, compiles after warm-up, programs compiled and loaded
+      at start-up, executable-cache problems, compile-cache hits and misses,
+      speculative draft and accepted tokens;
+    - rates are recomputed from the summed counts, never averaged: the prefix-cache hit
+      rate, the speculative acceptance rate and its rate per draft position;
+    - sizes and start-up seconds (load, warm-up and each warm-up phase) are the largest
+      over the replicas, key by key (the job waits for its slowest start; each
+      replica's own start is in the summary's "replicas"); warmup_compiles and programs
+      likewise (every replica builds the same programs);
+    - start is the replicas' common "cold" / "warm", else "partial";
+    - median_step_ms is the median of the replicas' medians.
+
+    Args:
+        each: Replica.stats() of every replica process, in any order (may be empty).
+
+    Returns:
+        The keys of the single-process summary from load_s on, but for the job's own
+        (wall time and token rates), in its order; spec_* keys when the replicas
+        speculated, compile_cache_* keys when the compile cache was on.
+    """
+
+    def most(key: str) -> Any:
+        return max((r[key] for r in each if key in r), default=0)
+
+    def total(key: str) -> Any:
+        return sum(r.get(key, 0) for r in each)
+
+    def rate(num: float, den: float) -> float:
+        return round(num / den, 3) if den else 0.0
+
+    starts = {r["start"] for r in each if "start" in r}
+    merged: dict[str, Any] = {
+        "load_s": round(most("load_s"), 2),
+        "warmup_s": round(most("warmup_s"), 2),
+        "load_and_warmup_s": round(max((r["load_s"] + r["warmup_s"] for r in each), default=0), 2),
         "kv_blocks": most("kv_blocks"),
         "peak_kv_usage": round(most("peak_kv_usage"), 3),
-        "prefix_cache_hit_rate": round(
-            statistics.fmean(r["prefix_cache_hit_rate"] for r in each) if each else 0.0, 3
-        ),
+        "prefix_cache_hit_rate": rate(total("prefix_cache_hits"), total("prefix_cache_queries")),
         "max_num_seqs": most("max_num_seqs"),
         "max_num_batched_tokens": most("max_num_batched_tokens"),
         "preemptions": total("preemptions"),
+        "start": starts.pop() if len(starts) == 1 else ("partial" if starts else None),
+        "programs": most("programs"),
+        "programs_compiled": total("programs_compiled"),
+        "programs_loaded": total("programs_loaded"),
+        **{k: round(most(k), 3) for k in _STARTUP_SECONDS[2:]},
+        "executable_cache_problems": total("executable_cache_problems"),
         "warmup_compiles": most("warmup_compiles"),
         "compiles_after_warmup": total("compiles_after_warmup"),
         "steps": total("steps"),
@@ -417,14 +493,31 @@ def _summary(plan, args, results, records, replicas, duplicates) -> dict[str, An
         if each
         else 0.0,
         "compile_cache": each[0]["compile_cache"] if each else None,
-        "data_parallel_size": args.data_parallel_size,
-        "replica_processes": len(each),
-        "duplicates_dropped": duplicates,
-        "replicas": [
-            {
-                k: r[k]
-                for k in ("name", "cores", "load_s", "warmup_s", "requests", "busy_s", "steps")
-            }
-            for r in each
-        ],
     }
+    if any("compile_cache_hits" in r for r in each):
+        merged["compile_cache_hits"] = total("compile_cache_hits")
+        merged["compile_cache_misses"] = total("compile_cache_misses")
+    spec = [r for r in each if "spec_method" in r]
+    if spec:
+        drafted = _sum_lists(r["spec_drafted_per_position"] for r in spec)
+        accepted = _sum_lists(r["spec_accepted_per_position"] for r in spec)
+        merged.update(
+            spec_method=spec[0]["spec_method"],
+            spec_draft_tokens=total("spec_num_draft_tokens"),
+            spec_accepted_tokens=total("spec_num_accepted_tokens"),
+            spec_acceptance_rate=rate(
+                total("spec_num_accepted_tokens"), total("spec_num_draft_tokens")
+            ),
+            spec_accept_per_position=[rate(a, d) for a, d in zip(accepted, drafted)],
+        )
+    return merged
+
+
+def _sum_lists(lists: Any) -> list[int]:
+    """Element-wise sum of lists of counts (a shorter list counts as zeros past its end)."""
+    out: list[int] = []
+    for values in lists:
+        out.extend([0] * (len(values) - len(out)))
+        for i, v in enumerate(values):
+            out[i] += v
+    return out

@@ -37,6 +37,7 @@ from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_value
 from paged_jax.entrypoints.job import SIZED_FIELDS, JobRequest, JobSize, make_requests, size_engine
 from paged_jax.entrypoints.output_file import (
     JsonlStream,
+    OutputWriteError,
     check_distinct_paths,
     check_writable,
     write_json_atomic,
@@ -49,7 +50,12 @@ from paged_jax.entrypoints.prompts_file import (
     check_readable,
     read_prompt_lines,
 )
-from paged_jax.entrypoints.records import rejected_error, request_record
+from paged_jax.entrypoints.records import (
+    NOT_SERVED,
+    one_line,
+    rejected_error,
+    request_record,
+)
 from paged_jax.sampling_params import MAX_LOGPROBS, SamplingParams
 from paged_jax.spec_decode.proposer import SpeculativeConfig
 from paged_jax.structured_outputs import StructuredOutputsParams
@@ -63,9 +69,10 @@ template), an optional "id" echoed in the output, and optional SamplingParams ov
 such as "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", and
 "structured_outputs" ({{"json": schema}}, {{"regex": ...}}, {{"choice": [...]}},
 {{"grammar": ...}}, {{"json_object": true}}: vLLM's keys; null for none), which wins over
---json-schema, --regex or --choice; a constraint that is invalid, or that the grammar
-library cannot compile, is that line's error record. "-" reads standard input. Every
-line is rendered and tokenized before the model loads.
+--json-schema, --regex or --choice; a line's constraint that is invalid, or that the
+grammar library cannot compile, is that line's error record, while a flag's is checked
+(compiled) before the model loads and stops the run (exit status 2). "-" reads standard
+input. Every line is rendered and tokenized before the model loads.
 
 output: one JSON line per request, written as each request finishes (so in finish
 order; "index" is the position in the prompts file). A request that cannot be served
@@ -289,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_constraint_flags(group: Any) -> None:
-    """--json-schema / --regex / --choice: at most one (argparse exits 2 naming both)."""
+    """--json-schema / --regex / --choice: at most one (argparse exits 2 naming both);
+    --disable-any-whitespace for --json-schema."""
     flags = group.add_mutually_exclusive_group()
     helps = {
         "json": ("FILE", "outputs are JSON valid under the JSON schema in FILE"),
@@ -307,36 +315,59 @@ def add_constraint_flags(group: Any) -> None:
             help=f'{text}, for every line without its own "structured_outputs" '
             "(docs/structured_outputs.md)",
         )
+    group.add_argument(
+        "--disable-any-whitespace",
+        action="store_true",
+        help="with --json-schema: compact JSON, no whitespace between tokens. By default "
+        "the grammar allows any whitespace there, which a small or weak model may fill "
+        "with newlines until --max-tokens; compact JSON stops that, at the cost of a "
+        "layout the model may write less well than the indented JSON it was trained on "
+        '(a line\'s own constraint takes "disable_any_whitespace": true)',
+    )
 
 
-def constraint_from_args(
-    args: argparse.Namespace,
-) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the run-wide constraint, None) or (None, why it is unusable) from the constraint flag.
+def constraint_from_args(args: argparse.Namespace) -> StructuredOutputsParams | None:
+    """The run-wide constraint of the constraint flags, or None without one.
 
-    An unusable constraint (a file that is not a JSON schema, an empty choice) is the
-    error of each line that takes it, not of the run: lines with their own constraint
-    are served.
+    Checked here for its form (a --json-schema file that is not a JSON schema, an empty
+    --choice); whether the grammar library compiles it is checked with the tokenizer
+    before the model loads (preflight.check_constraint).
 
     Raises:
-        ValueError: the --json-schema file cannot be read (nothing is run).
+        ValueError: one line naming the flag (nothing is run).
     """
     given: ConstraintFlag | None = args.structured_outputs
-    if given is None:
-        return None, None
-    flag = CONSTRAINT_FLAGS[given.field]
+    compact = bool(getattr(args, "disable_any_whitespace", False))
+    if given is None or given.field != "json":
+        if compact:
+            used = "no constraint flag" if given is None else CONSTRAINT_FLAGS[given.field]
+            raise ValueError(
+                f"--disable-any-whitespace applies to --json-schema, not to {used}; a JSONL "
+                'line\'s own JSON constraint takes "disable_any_whitespace": true'
+            )
+        if given is None:
+            return None
+    flag = constraint_flag_text(given)
     value: Any = given.value
     if given.field == "json":
         try:
             value = pathlib.Path(given.value).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
-            raise ValueError(f"{flag}={given.value!r} cannot be read: {err}") from err
+            raise ValueError(f"{flag} cannot be read: {err}") from err
     elif given.field == "choice":
         value = value.split(",")
+    options = {"disable_any_whitespace": True} if compact else {}
     try:
-        return StructuredOutputsParams(**{given.field: value}), None
+        return StructuredOutputsParams(**{given.field: value}, **options)
     except ValueError as err:
-        return None, f"{flag}={given.value!r}: {err}"
+        raise ValueError(f"{flag}: {one_line(str(err))}") from None
+    except RecursionError:
+        raise ValueError(f"{flag}: the schema is nested too deeply to read") from None
+
+
+def constraint_flag_text(given: ConstraintFlag) -> str:
+    """How errors name the constraint flag given: --regex='a(b'."""
+    return f"{CONSTRAINT_FLAGS[given.field]}={given.value!r}"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -458,13 +489,17 @@ def _prepare(args: argparse.Namespace) -> _Plan:
     )
     EngineConfig(**provisional)
     params = sampling_params_from_args(args)
-    constraint, constraint_error = constraint_from_args(args)
+    constraint = constraint_from_args(args)
     params = dataclasses.replace(params, structured_outputs=constraint)
     if args.prompts is not None:
         check_readable(args.prompts)
     elif args.num_prompts < 1:
         raise ValueError(f"--num-prompts={args.num_prompts!r} must be >= 1")
-    from paged_jax.entrypoints.preflight import check_model, read_chat_template
+    from paged_jax.entrypoints.preflight import (
+        check_constraint,
+        check_model,
+        read_chat_template,
+    )
 
     chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
     if args.model is None:
@@ -482,6 +517,9 @@ def _prepare(args: argparse.Namespace) -> _Plan:
                 f"--model={args.model!r} must be a Hugging Face model directory with config.json"
             )
     facts = check_model(model_dir, provisional, chat_template=chat_template)
+    if constraint is not None:  # compiled once now, so a bad one fails before loading
+        _check_grammar_library()
+        check_constraint(constraint, facts, constraint_flag_text(args.structured_outputs))
     if args.prompts:
         # Read after the model check: the line limit derives from max_model_len.
         _, lines = read_prompt_lines(args.prompts, facts.max_model_len)
@@ -498,7 +536,6 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         tokenizer=facts.tokenizer,
         chat_template=facts.chat_template,
         max_model_len=facts.max_model_len,
-        base_error=constraint_error,
     )
     if any(r.params.structured_outputs is not None for r in requests):
         _check_grammar_library()
@@ -597,19 +634,14 @@ def _load(args: argparse.Namespace, plan: _Plan):
             print(line.ljust(64), file=sys.stderr, end="", flush=True)
 
     from paged_jax.compile_cache import cache_counts
+    from paged_jax.entrypoints.replica import compile_cache_use
 
     t0, before = time.perf_counter(), cache_counts()
     llm.engine.warmup(progress)
     warmup_s = time.perf_counter() - t0
     _check_interrupt(plan)
-    # The compile cache's hits and misses: its step programs loaded and compiled, and
-    # JAX's persistent-cache events for whatever else warm-up compiled.
     report = llm.engine.warmup_report
-    use = {k: v - before[k] for k, v in cache_counts().items()}
-    if report.cache_dir is not None:
-        use["hits"] += report.num_loaded
-        use["misses"] += report.num_compiled
-    plan.cache_use = {f"compile_cache_{k}": v for k, v in use.items()}
+    plan.cache_use = compile_cache_use(before, report)
     if not args.no_tqdm:
         print(file=sys.stderr)
     _say(args, f"warm-up done in {warmup_s:.1f} s ({_warmup_line(report)})")
@@ -706,21 +738,46 @@ def _serve(args: argparse.Namespace, plan: _Plan) -> int:
 
 
 class _Records:
-    """Writes each record as it is made and keeps what the summary needs."""
+    """Writes each record as it is made and keeps what the summary needs.
+
+    Once the output file cannot be written (a full disk), `output_error` is set, the run
+    stops, and every later record is kept for the summary only, as a failed request
+    with no record.
+    """
 
     def __init__(self, plan: _Plan):
         self.plan = plan
         self.failed: list[dict[str, Any]] = []
         self.results: list[Any] = []
         self.bar: Any = None
+        self.output_error: OutputWriteError | None = None
+        self.num_lost = 0  # records the output file could not take
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: dict[str, Any]) -> bool:
+        """Writes `record`; False when it is not in the output file (the file failed)."""
+        output = self.plan.output
+        written = True
+        if output is not None:
+            try:
+                if self.output_error is not None:
+                    raise self.output_error
+                output.write(record)
+            except OutputWriteError as err:
+                self.output_error, written = err, False
+                self.num_lost += 1
+                line = record["line"]
+                detail = record.get("error") or "its completion was lost"
+                detail = detail.removeprefix(f"line {line}: ")
+                record = {
+                    **record,
+                    "error": f"line {line}: no record in {output.partial.name}, which could "
+                    f"not be written ({detail})",
+                }
         if record.get("error") is not None:
             self.failed.append({k: record[k] for k in ("index", "id", "line", "error")})
-        if self.plan.output is not None:
-            self.plan.output.write(record)
         if self.bar is not None:
             self.bar.update(1)
+        return written
 
     def bad_lines(self) -> None:
         for line in self.plan.lines:
@@ -763,6 +820,11 @@ def _run(args: argparse.Namespace, plan: _Plan) -> int:
             line = request.line
             error = f"line {line.line}: the engine failed before this request finished ({what})"
             records.emit(request_record(line, error=error))
+    else:  # stopped by the output file: _finish reports it
+        for request in unfinished:
+            records.emit(
+                request_record(request.line, error=f"line {request.line.line}: {NOT_SERVED}")
+            )
     wall = time.perf_counter() - start
     summary = _summary(llm, plan, records.results, records.failed, load_s, warmup_s, wall)
     summary["engine_error"] = (
@@ -799,6 +861,8 @@ def _generate(
         (the exception the engine raised, or None; the requests it left unfinished).
     """
     unfinished = dict(enumerate(plan.requests))
+    if records.output_error is not None:  # the bad lines' records already failed
+        return None, list(unfinished.values())
     stream = llm.generate_iter([r.prompt for r in plan.requests], [r.params for r in plan.requests])
     num_generated = 0
     try:
@@ -813,34 +877,90 @@ def _generate(
             line = unfinished.pop(i).line
             if out.error is not None:
                 records.emit(request_record(line, error=rejected_error(line, i, out.error)))
-                continue
-            records.results.append(out)
-            num_generated += out.metrics.num_generated_tokens
-            if records.bar is not None:
-                rate = num_generated / max(time.perf_counter() - start, 1e-9)
-                records.bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
-            records.emit(request_record(line, out))
+            else:
+                num_generated += out.metrics.num_generated_tokens
+                if records.bar is not None:
+                    rate = num_generated / max(time.perf_counter() - start, 1e-9)
+                    records.bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
+                if records.emit(request_record(line, out)):
+                    records.results.append(out)
+            if records.output_error is not None:  # stop: no further record can be kept
+                return None, list(unfinished.values())
     finally:
         stream.close()  # aborts what is left (an interrupt)
+
+
+# Failed requests listed after the summary (all of them are in --output / --summary-json).
+NUM_FAILED_SHOWN = 5
 
 
 def _finish(args: argparse.Namespace, plan: _Plan, records: _Records, summary: dict) -> int:
     """Completes the output, writes and prints the summary; the exit status."""
     summary.setdefault("failed", len(records.failed))
     _check_interrupt(plan)
+    code = 1 if records.failed else 0
     if plan.output is not None:
-        plan.output.commit()
+        if records.output_error is None:
+            try:
+                plan.output.commit()
+            except OutputWriteError as err:
+                records.output_error = err
+        if records.output_error is not None:
+            _output_failed(plan, records)
+            code = 1
+        summary["output_error"] = (
+            None if records.output_error is None else str(records.output_error)
+        )
     if plan.summary_path is not None:
-        write_json_atomic(plan.summary_path, {**summary, "errors": records.failed})
+        try:
+            write_json_atomic(plan.summary_path, {**summary, "errors": records.failed})
+        except OSError as err:
+            print(
+                f"{PROG}: error: --summary-json={str(plan.summary_path)!r} cannot be written: "
+                f"{err.strerror or err}",
+                file=sys.stderr,
+            )
+            code = 1
     print("\n== paged-jax generate summary ==")
     for key, value in summary.items():
         print(f"{key:>24}: {value}")
-    for f in records.failed[:5]:
-        print(f"  failed request {f['index']} (id {f['id']!r}): {f['error']}")
+    shown = records.failed[:NUM_FAILED_SHOWN]
+    for f in shown:
+        print(f"  failed request {f['index']} (id {f['id']!r}): {one_line(f['error'])}")
+    if len(records.failed) > len(shown):
+        print(
+            f"  ... and {len(records.failed) - len(shown)} more ({_where_errors_are(plan, records)})"
+        )
     results = records.results
     if results and results[0].outputs:
         print(f"\nfirst completion: {results[0].outputs[0].text[:120]!r}")
-    return 1 if records.failed else 0
+    return code
+
+
+def _where_errors_are(plan: _Plan, records: _Records) -> str:
+    """Where the failed requests not listed can be read."""
+    if plan.output is not None and records.output_error is None:
+        return f"their error records are in {plan.output.target}"
+    if plan.summary_path is not None:
+        return f'every error is under "errors" in {plan.summary_path}'
+    return "give --output or --summary-json to keep every error"
+
+
+def _output_failed(plan: _Plan, records: _Records) -> None:
+    """The one line of a run whose output file could not be written (a full disk)."""
+    output = plan.output
+    kept = output.close_partial()
+    where = (
+        "no record was kept"
+        if kept is None
+        else f"its {output.num_records} whole records are in {kept}"
+    )
+    print(
+        f"{PROG}: error: {records.output_error}; the run stopped: {where}, "
+        f"{records.num_lost} requests have no record (failed in the summary), "
+        f"{output.target} was not replaced",
+        file=sys.stderr,
+    )
 
 
 def _summary(llm, plan, results, failed, load_s, warmup_s, wall) -> dict[str, Any]:

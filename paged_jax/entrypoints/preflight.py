@@ -3,8 +3,9 @@ before the model loads, each as one ValueError naming the file (and the field).
 
 config.json (via models.loader.check_model_dir: fields, architecture, weight headers),
 tokenizer.json, the chat template (the checkpoint's, or a --chat-template file),
-max_model_len against max_position_embeddings, and the host memory the buffers sized by
-max_model_len need. Host module: imports no jax itself (the loader, imported when a
+max_model_len against max_position_embeddings, the host memory the buffers sized by
+max_model_len need, and a run-wide structured-outputs constraint (compiled with the
+checkpoint's tokenizer, as the engine will compile it). Host module: imports no jax itself (the loader, imported when a
 check runs, does).
 """
 
@@ -34,12 +35,17 @@ class ModelFacts:
         tokenizer: the parsed tokenizer.json (a ``tokenizers.Tokenizer``), or None.
         chat_template: the chat template the run uses (given, else the checkpoint's), or
             None.
+        vocab_size: the model's vocabulary (its logits' width), from config.json.
+        eos_token_ids: the model's end-of-sequence ids (config.json and
+            generation_config.json).
     """
 
     max_model_len: int
     max_position_embeddings: int
     tokenizer: Any = None
     chat_template: ChatTemplate | None = None
+    vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def check_model(
@@ -88,7 +94,53 @@ def check_model(
             f"the {_gib(free)} of free host memory; set --max-model-len to a smaller value "
             "(or lower --max-num-seqs)"
         )
-    return ModelFacts(max_model_len, limit, tokenizer, chat_template)
+    return ModelFacts(
+        max_model_len,
+        limit,
+        tokenizer,
+        chat_template,
+        vocab_size=int(config.vocab_size),
+        eos_token_ids=tuple(int(t) for t in (config.eos_token_ids or ())),
+    )
+
+
+def check_constraint(constraint: Any, facts: ModelFacts, flag: str) -> None:
+    """Compiles the run's constraint as the engine will, without the model.
+
+    The engine compiles a request's constraint when the request is submitted, after the
+    model has loaded and warmed up; a run-wide one that cannot compile would fail every
+    line then. Compiled here with the checkpoint's tokenizer, vocabulary and EOS ids, it
+    fails the run before loading. (The engine compiles it again: the grammar cache is
+    the engine's.)
+
+    Args:
+        constraint: the run's StructuredOutputsParams.
+        facts: check_model's findings (the tokenizer, vocab_size, eos_token_ids).
+        flag: the flag and its value, as errors name it (``--regex='a(b'``).
+
+    Raises:
+        ValueError: one line naming `flag`: no tokenizer.json, or the grammar library's
+            reason.
+    """
+    if facts.tokenizer is None:
+        raise ValueError(
+            f"{flag} needs the checkpoint's tokenizer.json (structured outputs are "
+            "compiled against its vocabulary); the model directory has none"
+        )
+    from paged_jax.structured_outputs import GrammarCompiler
+
+    try:
+        compiler = GrammarCompiler(
+            facts.tokenizer,
+            eos_token_ids=facts.eos_token_ids,
+            vocab_size=facts.vocab_size,
+            num_threads=1,
+        )
+        compiler.compile(constraint)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {' '.join(str(err).split())}") from None
+    except RecursionError:
+        raise ValueError(f"{flag}: the constraint is nested too deeply to compile") from None
 
 
 def _model_config(model_dir: pathlib.Path, config_file: pathlib.Path) -> Any:

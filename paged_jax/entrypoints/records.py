@@ -10,6 +10,12 @@ from typing import Any
 
 from paged_jax.entrypoints.prompts_file import PromptLine
 
+# The error of a request the run never served because it stopped first (its output file
+# could not be written).
+NOT_SERVED = "not served: the run stopped"
+# The longest error a summary line shows (the record and --summary-json keep it whole).
+MAX_SHOWN_ERROR_CHARS = 300
+
 
 def logprob_numbers(entries: list) -> list[dict[int, float] | None]:
     """Logprob objects as plain numbers for the JSON records: {token id: logprob}."""
@@ -67,3 +73,13 @@ def rejected_error(line: PromptLine, position: int, error: str) -> str:
     """
     error = error.removeprefix(f"prompts[{position}]: ")
     return f"line {line.line}: {error}"
+
+
+def one_line(error: str, limit: int = MAX_SHOWN_ERROR_CHARS) -> str:
+    """`error` as one line of at most `limit` characters, for a listing on the terminal.
+
+    A grammar library's multi-line message (a caret diagram, a parser dump) is joined
+    with spaces and cut with "..."; the record keeps the whole text.
+    """
+    text = " ".join(error.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -98,6 +98,26 @@ def pin_to_cores(num_cores: int, slot_dir: str | os.PathLike) -> list[int] | Non
     return None
 
 
+def compile_cache_use(before: Mapping[str, int], report: Any) -> dict[str, int]:
+    """The compile cache's hits and misses of one warm-up, as the summary names them.
+
+    Its step programs loaded (hits) and compiled (misses), and JAX's persistent-cache
+    events for whatever else warm-up compiled (since `before`, a
+    ``compile_cache.cache_counts()`` taken before the warm-up).
+
+    Args:
+        before: cache_counts() before the warm-up.
+        report: the engine's WarmupReport after it.
+    """
+    from paged_jax.compile_cache import cache_counts
+
+    use = {k: v - before[k] for k, v in cache_counts().items()}
+    if report.cache_dir is not None:
+        use["hits"] += report.num_loaded
+        use["misses"] += report.num_compiled
+    return {f"compile_cache_{k}": v for k, v in use.items()}
+
+
 class Replica:
     """One engine replica: an LLM built once, serving batches of request rows.
 
@@ -150,9 +170,12 @@ class Replica:
             **dict(engine_args or {}),
         )
         self.load_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        from paged_jax.compile_cache import cache_counts
+
+        t0, before = time.perf_counter(), cache_counts()
         self.llm.engine.warmup()
         self.warmup_s = time.perf_counter() - t0
+        self.cache_use = compile_cache_use(before, self.llm.engine.warmup_report)
         self.params = sampling_params
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.crash_at, self.crash_marker = parse_crash_hook(crash_hook)
@@ -282,7 +305,12 @@ class Replica:
         os._exit(CRASH_EXIT_STATUS)
 
     def stats(self) -> dict[str, Any]:
-        """This replica's figures so far, JSON-ready (the data-parallel summary's input)."""
+        """This replica's figures so far, JSON-ready (the data-parallel summary's input).
+
+        Counts come as counts (prefix-cache queries and hits, speculative draft and
+        accepted tokens per position), so the summary can sum them over the replicas
+        and recompute the rates.
+        """
         stats = self.llm.get_stats()
         return {
             "name": self.name,
@@ -297,6 +325,8 @@ class Replica:
             "kv_blocks": stats["num_kv_blocks"],
             "peak_kv_usage": stats["kv_cache_usage_peak"],
             "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+            "prefix_cache_queries": stats["prefix_cache_queries"],
+            "prefix_cache_hits": stats["prefix_cache_hits"],
             "max_num_seqs": self.llm.config.max_num_seqs,
             "max_num_batched_tokens": self.llm.config.max_num_batched_tokens,
             "preemptions": stats["num_preemptions"],
@@ -308,6 +338,21 @@ class Replica:
             "compile_cache": str(self.llm.compile_cache_dir)
             if self.llm.compile_cache_dir
             else None,
+            **(self.cache_use if self.llm.compile_cache_dir else {}),
+            **self._spec_counts(stats),
+        }
+
+    def _spec_counts(self, stats: Mapping[str, Any]) -> dict[str, Any]:
+        """Speculative decoding's counters (none without it), per position included."""
+        speculator = self.llm.engine.speculator
+        if "spec_method" not in stats or speculator is None:
+            return {}
+        return {
+            "spec_method": stats["spec_method"],
+            "spec_num_draft_tokens": stats["spec_num_draft_tokens"],
+            "spec_num_accepted_tokens": stats["spec_num_accepted_tokens"],
+            "spec_drafted_per_position": [int(x) for x in speculator.drafted_at],
+            "spec_accepted_per_position": [int(x) for x in speculator.accepted_at],
         }
 
 

@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 
+from paged_jax.entrypoints.data_parallel import merge_replica_figures
 from paged_jax.entrypoints.generate_cli import main as generate_main
 from paged_jax.entrypoints.prompts_file import parse_jsonl_line, read_prompt_lines
 from paged_jax.entrypoints.replica import (
@@ -72,10 +73,9 @@ def test_dataset_rows_skip_nulls_and_foreign_columns_and_errors_name_no_line():
 def test_replica_records_equal_the_single_process_cli(replica, model_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in LINES))
-    out = tmp_path / "o.jsonl"
-    code = generate_main(
-        ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out)] + FLAGS
-    )
+    out, summary = tmp_path / "o.jsonl", tmp_path / "s.json"
+    args = ["--model", str(model_dir), "--prompts", str(prompts), "--output", str(out)]
+    code = generate_main([*args, "--summary-json", str(summary), *FLAGS])
     assert code == 1  # the bad lines
     single = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
     _, lines = read_prompt_lines(str(prompts))
@@ -92,6 +92,16 @@ def test_replica_records_equal_the_single_process_cli(replica, model_dir, tmp_pa
     }
     assert got[4]["error"].startswith("line 5: prompt_token_ids contains 9999")
     assert len(got[5]["outputs"]) == 2
+    # The data-parallel summary has every key of the single-process one (issue 38 item
+    # 11: it lacked the start-up and spec_* keys): the job's own from the records, the
+    # engine's merged from the replicas' figures.
+    job_keys = {"requests", "succeeded", "failed", "completions", "prompt_tokens"}
+    job_keys |= {"generated_tokens", "wall_s", "generated_tokens_per_s", "total_tokens_per_s"}
+    job_keys |= {"engine_error", "output_error", "errors"}
+    single_keys = set(json.loads(summary.read_text()))
+    merged = merge_replica_figures([replica.stats(), replica.stats()])
+    assert single_keys - job_keys - set(merged) == set()
+    assert merged["start"] == "cold" and merged["programs_compiled"] > 0
 
 
 def test_a_row_without_a_line_number_gets_an_error_without_one(replica):

@@ -63,12 +63,13 @@ def test_a_bad_regex_line_is_its_error_record(model_dir, tmp_path):
 
 
 def test_an_invalid_schema_is_an_error_record_for_each_line_it_covers(model_dir, tmp_path):
-    # Valid JSON the grammar backend refuses: found at submission, after loading.
-    schema = tmp_path / "schema.json"
-    schema.write_text(json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}}))
-    lines = [{"prompt": "one"}, {"prompt": "two"}]
+    # Valid JSON the grammar backend refuses: found at submission, after loading. (The
+    # same schema given with --json-schema is refused before loading, exit 2:
+    # test_constraint_flags.py.)
+    schema = {"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+    lines = [{"prompt": p, "structured_outputs": schema} for p in ("one", "two")]
     lines.append({"prompt": "three", "structured_outputs": {"choice": ["x", "y"]}})
-    code, records = _run(model_dir, tmp_path, lines, "--json-schema", str(schema))
+    code, records = _run(model_dir, tmp_path, lines)
     assert code == 1
     for i in (0, 1):
         assert records[i]["error"].startswith(f"line {i + 1}: ") and "json" in records[i]["error"]
@@ -82,18 +83,17 @@ def test_bad_constraints_known_before_loading_are_error_records(
         raise AssertionError("no line can be served: the model must not be loaded")
 
     monkeypatch.setattr("paged_jax.llm.LLM", no_load)
-    schema = tmp_path / "schema.json"
-    schema.write_text("{not json")
+    # (A bad --json-schema file is fatal before loading, exit 2: test_constraint_flags.py.)
     lines = [
-        {"prompt": "one"},  # takes the bad --json-schema
+        {"prompt": "one", "structured_outputs": {"json": "{not json"}},
         {"prompt": "two", "structured_outputs": {"regex": "a", "choice": ["a"]}},
         {"prompt": "three", "structured_outputs": {"jsonn": {}}},
         {"prompt": "four", "structured_outputs": "a+"},
     ]
-    code, records = _run(model_dir, tmp_path, lines, "--json-schema", str(schema))
+    code, records = _run(model_dir, tmp_path, lines)
     assert code == 1
     err = [records[i]["error"] for i in range(4)]
-    assert err[0].startswith("line 1: --json-schema=") and "JSON" in err[0], err[0]
+    assert err[0].startswith("line 1: ") and "JSON" in err[0], err[0]
     assert err[1].startswith("line 2: ") and "exactly one of" in err[1], err[1]
     assert err[2].startswith("line 3: ") and "'jsonn'" in err[2] and "regex" in err[2], err[2]
     assert err[3].startswith("line 4: structured_outputs='a+' must be"), err[3]
