@@ -14,12 +14,13 @@ writes JSON (--output).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import sys
 import tempfile
 import time
+
+from paged_jax.baselines.json_report import write_json_atomic
 
 
 def _parse_args(argv):
@@ -174,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         f"beams equal: {same}; beam speedup {summary['speedup_beam']}x, "
         f"parallel sampling speedup {summary['speedup_parallel']}x"
     )
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(summary, indent=1) + "\n")
+    out = write_json_atomic(args.output, summary)
     print(f"wrote {out}")
     return 0
 

@@ -47,6 +47,7 @@ import time
 from typing import Any
 
 from paged_jax.baselines.hf_generate import MODEL_PRESETS, llama_num_parameters
+from paged_jax.baselines.json_report import write_json_atomic
 from paged_jax.baselines.worker_process import WorkerError, WorkerProcess
 from paged_jax.baselines.workload import WorkloadConfig, make_trace, trace_summary
 from paged_jax.config import EngineConfig
@@ -906,9 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report["best_vs_best"]["best_settings"], indent=2))
     summary = {"same_budget": report["ratios"], "best_vs_best": report["best_vs_best"]["ratios"]}
     print(json.dumps({**summary, "targets": report["targets"]}, indent=2))
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json_atomic(args.output, report)
     print(f"wrote {out} (total {report['total_wall_s']:.0f} s)")
     status = 0
     if report["num_mismatched_outputs"]:

@@ -294,6 +294,21 @@ def make_tables(rng, contexts: list[int], num_blocks: int, block_size: int = BLO
     return jnp.asarray(tables), jnp.asarray(np.asarray(contexts, np.int32))
 
 
+def header(args, part: str, device_kind: str) -> dict:
+    """The fields a --part's JSON opens with: the command, the part, the device, and
+    whether it is a CPU rehearsal (whose times are not kernel times)."""
+    import jax
+
+    return dict(
+        command="python scripts/bench_kernels.py " + " ".join(args.argv),
+        part=part,
+        device=device_kind,
+        rehearse=args.rehearse,
+        times_are_kernel_times=not args.rehearse,
+        jax_version=jax.__version__,
+    )
+
+
 class Report:
     """The JSON report, rewritten (atomically) after every change."""
 
@@ -384,14 +399,9 @@ def run_decode(args) -> int:
     report = Report(
         pathlib.Path(args.output),
         dict(
-            command="python scripts/bench_kernels.py " + " ".join(args.argv),
-            part="decode",
-            device=device.device_kind,
-            rehearse=rehearse,
-            times_are_kernel_times=not rehearse,
+            **header(args, "decode", device.device_kind),
             peak_gbps=peak,
             copy_ceiling=ceiling,
-            jax_version=jax.__version__,
             pallas_backend=names["pallas"],
             jax_pallas_available=theirs is not None,
             jax_pallas_missing=theirs_missing,
@@ -568,12 +578,7 @@ def run_mixed(args) -> int:
     report = Report(
         pathlib.Path(args.output),
         dict(
-            command="python scripts/bench_kernels.py " + " ".join(args.argv),
-            part="mixed",
-            device=device.device_kind,
-            rehearse=rehearse,
-            times_are_kernel_times=not rehearse,
-            jax_version=jax.__version__,
+            **header(args, "mixed", device.device_kind),
             step_backend=backend,
             heads=asdict(heads),
             pool=dict(num_blocks=num_blocks, bytes_per_array=num_blocks * heads.block_bytes()),

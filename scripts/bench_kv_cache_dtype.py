@@ -14,13 +14,13 @@ unquantized cache.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import sys
 import tempfile
 import time
 
+from paged_jax.baselines.json_report import write_json_atomic
 from paged_jax.constants import cdiv
 
 KV_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             f"  preemptions {r['num_preemptions']:>3d}  steps {r['num_steps']:>4d}  "
             f"identical outputs {r['requests_identical_to_unquantized']:.0%}"
         )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.output, report)
     print(f"wrote {args.output} ({report['seconds']} s)")
     return 0
 

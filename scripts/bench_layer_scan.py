@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import platform
 import statistics
 import sys
 import time
+
+from paged_jax.baselines.json_report import write_json_atomic
 
 MODELS = {
     # the demo model's shape (paged_jax.entrypoints.demo), at several depths
@@ -116,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         method="medians over interleaved rounds (unrolled, scanned, ...); [min, max] beside",
         rows=rows,
     )  # fmt: skip
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json_atomic(args.output, report)
     print(f"wrote {out}")
     return 0
 

@@ -31,12 +31,13 @@ import argparse
 import json
 import math
 import os
-import pathlib
 import platform
 import re
 import statistics
 import sys
 import time
+
+from paged_jax.baselines.json_report import write_json_atomic
 
 # config.json fields of released checkpoints (the Hugging Face hub's).
 PUBLISHED_MOE_CONFIGS = {
@@ -282,10 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.published:
         rows = published_bytes([1, 2, 4, 8])
-        out = pathlib.Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
         command = "python scripts/bench_moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        out.write_text(json.dumps(dict(command=command, dtype="bfloat16", rows=rows), indent=2))
+        out = write_json_atomic(args.output, dict(command=command, dtype="bfloat16", rows=rows))
         print(f"wrote {out}")
         return 0
     sizes = [int(n) for n in args.devices.split(",") if n]
@@ -367,9 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         routing_overhead_by_bucket=routing,
         expert_parallel=ep,
     )
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json_atomic(args.output, report)
     print(f"wrote {out}")
     return 0
 

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from paged_jax.baselines.hf_generate import MODEL_PRESETS, llama_num_parameters
+from paged_jax.baselines.json_report import write_json_atomic
 from paged_jax.baselines.serving import (
     FANOUT_KINDS,
     PAGED,
@@ -687,9 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         for ns in kinds.values() for e in ns.values()
     )  # fmt: skip
     report["total_wall_s"] = time.perf_counter() - t0
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = write_json_atomic(args.output, report)
     if args.figures:
         replot(args, report)
     print(ratio_text(report))

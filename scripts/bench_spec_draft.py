@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from paged_jax.baselines.json_report import write_json_atomic
+
 # "none_sync": no speculation with synchronous steps (speculation runs synchronously, so
 # this separates the cost of the lost host/device overlap from the draft's).
 SETTINGS = ("none", "none_sync", "self", "layers1", "layers2", "layers3", "random")
@@ -201,9 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         },
         "results": results,
     }
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
+    out = write_json_atomic(args.output, record)
     print(f"wrote {out}")
 
 

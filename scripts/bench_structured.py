@@ -32,6 +32,17 @@ from paged_jax.testing.bpe_tokenizer import EOS_TOKEN_ID, stdlib_corpus, train_b
 from paged_jax.testing.structured_cases import nested_schema
 
 
+def compile_seconds(compiler, params) -> tuple[list[float], list[float]]:
+    """Seconds of each params' compile cold, then of each again (a cache hit)."""
+    cold, cached = [], []
+    for times in (cold, cached):
+        for p in params:
+            t0 = time.perf_counter()
+            compiler.compile(p)
+            times.append(time.perf_counter() - t0)
+    return cold, cached
+
+
 def summary_us(samples: list[float]) -> dict:
     us = sorted(1e6 * s for s in samples)
     return {
@@ -93,15 +104,7 @@ def run_one(args: argparse.Namespace, bpe_vocab_size: int | None) -> dict:
 
     # Compile: each distinct schema cold, then again from the cache.
     params = [StructuredOutputsParams(json=nested_schema(i)) for i in range(args.num_schemas)]
-    cold, cached = [], []
-    for p in params:
-        t0 = time.perf_counter()
-        compiler.compile(p)
-        cold.append(time.perf_counter() - t0)
-    for p in params:
-        t0 = time.perf_counter()
-        compiler.compile(p)
-        cached.append(time.perf_counter() - t0)
+    cold, cached = compile_seconds(compiler, params)
     others = {
         "regex": StructuredOutputsParams(regex=r"[a-z]{2,12}@[a-z]{2,12}\.(com|org|net)"),
         "choice": StructuredOutputsParams(choice=["positive", "negative", "neutral"]),

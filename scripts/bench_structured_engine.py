@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from paged_jax.baselines.json_report import write_json_atomic
+
 # free_sync: unconstrained with synchronous scheduling, which the engine switches to while a
 # constrained request is live: it separates the lost host/device overlap from the mask.
 MODES = ("free", "free_sync", "json")
@@ -179,6 +181,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict:
 
 def compile_times(path: pathlib.Path, num_schemas: int, llm) -> dict:
     """Grammar compile time per distinct schema on a fresh compiler: cold, then cached."""
+    from bench_structured import compile_seconds  # scripts/, this script's folder
+
     from paged_jax.structured_outputs import GrammarCompiler, StructuredOutputsParams
     from paged_jax.testing.structured_cases import nested_schema
 
@@ -194,15 +198,7 @@ def compile_times(path: pathlib.Path, num_schemas: int, llm) -> dict:
         StructuredOutputsParams(json=nested_schema(100 + i), disable_any_whitespace=True)
         for i in range(num_schemas)
     ]
-    cold, cached = [], []
-    for p in params:
-        t0 = time.perf_counter()
-        compiler.compile(p)
-        cold.append(time.perf_counter() - t0)
-    for p in params:
-        t0 = time.perf_counter()
-        compiler.compile(p)
-        cached.append(time.perf_counter() - t0)
+    cold, cached = compile_seconds(compiler, params)
     return {
         "vocabulary_setup_s": round(setup_s, 3),
         "cold_ms_median": round(1e3 * statistics.median(cold), 3),
@@ -267,9 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.output, report)
     return 0
 
 

@@ -16,7 +16,6 @@ Prints a table and writes JSON. Needs torch + transformers (the test extra).
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import platform
 import sys
@@ -26,6 +25,7 @@ import time
 import jax
 import numpy as np
 
+from paged_jax.baselines.json_report import write_json_atomic
 from paged_jax.models import calibrate_kv_scales, load_model
 from paged_jax.models.simple_paged import greedy_generate_paged
 from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
@@ -168,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{m['greedy_matched_prefix_tokens']:6.1%}"
                     )
     report["seconds"] = round(time.time() - start, 1)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    write_json_atomic(args.output, report)
     print(f"\nwrote {args.output} ({report['seconds']} s)")
     return 0
 

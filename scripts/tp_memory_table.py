@@ -11,10 +11,10 @@ replicating them. Prints a markdown table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import pathlib
 import sys
+
+from paged_jax.baselines.json_report import write_json_atomic
 
 # config.json fields of published checkpoints (as released on the Hugging Face hub).
 TP_TABLE_MODELS = {
@@ -127,13 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", default="bench_results/tp_memory_table.json")
     args = p.parse_args(argv)
     sizes = [int(n) for n in args.sizes.split(",")]
-    rows = [row for name, hf in TP_TABLE_MODELS.items() for row in measure(name, hf, sizes, args.dtype)]
+    rows = [
+        row for name, hf in TP_TABLE_MODELS.items() for row in measure(name, hf, sizes, args.dtype)
+    ]
     table = markdown(rows)
     print(table)
-    out = pathlib.Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python", "scripts/tp_memory_table.py", *sys.argv[1:]])
-    out.write_text(json.dumps({"command": command, "rows": rows, "table": table}, indent=2) + "\n")
+    out = write_json_atomic(args.output, {"command": command, "rows": rows, "table": table})
     print(f"wrote {out}")
     return 0
 

@@ -17,15 +17,13 @@ within time_limit; the first point always runs.
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 import pathlib
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+from paged_jax.baselines.json_report import finite_json as finite_json  # re-exported
+from paged_jax.baselines.json_report import write_json_atomic
 from paged_jax.baselines.workload import TraceRequest, WorkloadConfig, make_trace
 from paged_jax.constants import cdiv
 from paged_jax.models.random_init import LLAMA3_8B_CONFIG
@@ -145,35 +143,6 @@ REHEARSAL_PLAN = CellPlan(
     output_len=16,
     max_num_batched_tokens=64,
 )
-
-
-def finite_json(value: Any) -> Any:
-    """`value` with every non-finite float as None (strict JSON) and numpy scalars as
-    Python numbers."""
-    if isinstance(value, dict):
-        return {str(k): finite_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite_json(v) for v in value]
-    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def write_json_atomic(path: pathlib.Path, report: dict[str, Any]) -> None:
-    """Writes `report` to `path` through a temp file and a rename: a reader (or a kill)
-    sees the previous report or this one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(finite_json(report), indent=2, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _device_facts() -> dict[str, Any]:
