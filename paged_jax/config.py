@@ -56,7 +56,7 @@ class EngineConfig:
         gpu_memory_utilization: vLLM's setting: the fraction in (0, 1] of the device's
             memory this engine may use for its weights, KV cache and activations; the
             KV pool gets that share less the weights and an activation estimate (see
-            paged_jax.worker.runner.resolve_num_kv_blocks). "The device's memory" is
+            paged_jax.worker.kv_pool_sizing.resolve_num_kv_blocks). "The device's memory" is
             what jax's allocator may use (memory_stats' bytes_limit: on GPU
             XLA_PYTHON_CLIENT_MEM_FRACTION of it, 75% by default). A ValueError when
             that share cannot hold the weights, activations and 2 blocks, or when other

@@ -57,7 +57,7 @@ def test_a_budget_past_the_wrap_window_is_capped_with_one_log_line(model, caplog
     per_block = model.kv_bytes_per_block(BS, jnp.float8_e4m3fn)
     # 3 * SAFE blocks: each array 3 * 2**31 bytes, inside the window (<= 4 GiB, > 2**31).
     budget = 3 * SAFE * per_block // 2
-    with caplog.at_level(logging.INFO, logger="paged_jax.worker.runner"):
+    with caplog.at_level(logging.INFO, logger="paged_jax.worker.kv_pool_sizing"):
         n = resolve_num_kv_blocks(_config(kv_cache_memory=budget), per_block, arrays)
     assert n == SAFE
     (record,) = [r for r in caplog.records if "capped" in r.getMessage()]
