@@ -537,8 +537,6 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         chat_template=facts.chat_template,
         max_model_len=facts.max_model_len,
     )
-    if any(r.params.structured_outputs is not None for r in requests):
-        _check_grammar_library()
     # A multi-process engine: every process runs this command, process 0 writes.
     job = settings_from(
         EngineConfig(**{k: v for k, v in engine_args.items() if k.startswith("distributed_")})
@@ -548,6 +546,8 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         # Process 0's job is every process's: admission comes from it (LLM.generate_iter),
         # and an engine sized to each process's own file would compile other programs.
         lines, requests = broadcast_from_primary((lines, requests))
+    if any(r.params.structured_outputs is not None for r in requests):
+        _check_grammar_library()
     job_size = None
     if requests:
         engine_args, job_size = size_engine(
@@ -946,6 +946,10 @@ def _where_errors_are(plan: _Plan, records: _Records) -> str:
     return "give --output or --summary-json to keep every error"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _output_failed(plan: _Plan, records: _Records) -> None:
     """The one line of a run whose output file could not be written (a full disk)."""
     output = plan.output
@@ -953,11 +957,11 @@ def _output_failed(plan: _Plan, records: _Records) -> None:
     where = (
         "no record was kept"
         if kept is None
-        else f"its {output.num_records} whole records are in {kept}"
+        else f"{_count(output.num_records, 'whole record')} in {kept}"
     )
     print(
         f"{PROG}: error: {records.output_error}; the run stopped: {where}, "
-        f"{records.num_lost} requests have no record (failed in the summary), "
+        f"{_count(records.num_lost, 'request')} without a record (failed in the summary), "
         f"{output.target} was not replaced",
         file=sys.stderr,
     )
