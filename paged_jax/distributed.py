@@ -48,6 +48,7 @@ __all__ = [
     "ENV_COORDINATOR_ADDRESS",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "PER_PROCESS_FIELDS",
     "ConfigMismatchError",
     "DistributedSettings",
     "JoinError",
