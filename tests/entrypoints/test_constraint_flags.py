@@ -91,7 +91,7 @@ def test_a_constraint_flag_without_a_tokenizer_exits_2(tmp_path, model_dir, caps
 
 
 @pytest.mark.parametrize("other", [[], ["--regex", "a+"], ["--choice", "a,b"]])
-def test_disable_any_whitespace_needs_json_schema(capsys, other):
+def test_disable_any_whitespace_needs_json_schema(other):
     args = build_parser().parse_args(["--disable-any-whitespace", *other])
     with pytest.raises(ValueError, match="--disable-any-whitespace applies to --json-schema"):
         constraint_from_args(args)
