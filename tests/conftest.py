@@ -4,6 +4,9 @@
         path = tiny_hf_checkpoint("llama", num_key_value_heads=1)   # cached per arguments
         ref = hf_logits(path, input_ids)                            # f32[B, L, V] numpy
 
+    def test_y(small_llm):      # one warmed-up LLM on model_dir shared by the LLM API tests
+        small_llm.generate(...)  # its prefix cache is empty at the start of every test
+
 transformers/torch are imported inside the fixtures only, so test modules that do not use
 them never pay for the import; where they are not installed (the Python 3.12 newest-jax
 venv of scripts/test_newest_jax.sh), every test using these fixtures skips with a reason.
@@ -225,3 +228,30 @@ def model_dir(tiny_hf_checkpoint, tmp_path_factory):
     shutil.copytree(src, dst, dirs_exist_ok=True)
     build_byte_tokenizer().save(str(dst / "tokenizer.json"))
     return dst
+
+
+# The engine settings of the LLM API tests (tests/llm): one shape, so one set of step
+# programs; every test that only needs "an LLM on the tiny byte-tokenizer Llama" shares it.
+SMALL_LLM = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
+
+
+@pytest.fixture(scope="session")
+def _shared_small_llm(model_dir):
+    from paged_jax.llm import LLM
+
+    return LLM(str(model_dir), **SMALL_LLM)
+
+
+@pytest.fixture
+def small_llm(_shared_small_llm):
+    """The session's LLM(model_dir, **SMALL_LLM), warmed up, with an empty prefix cache.
+
+    Built once per test process (about 10 CPU s of loading and warm-up compiles saved per
+    sharing module). Tests must not depend on what earlier tests ran: each starts with no
+    request in flight and no cached prefix, so a prefix-cache hit comes from the test itself.
+    Counters in get_stats() are cumulative: compare against a value read in the test.
+    """
+    llm = _shared_small_llm
+    assert not llm.engine.has_unfinished(), "an earlier test left a request in the shared LLM"
+    assert llm.engine.kv_cache_manager.reset_prefix_cache(), "blocks still held by a request"
+    return llm

@@ -7,12 +7,11 @@ import pytest
 from paged_jax.llm import LLM
 from paged_jax.sampling_params import SamplingParams
 
-SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), **SMALL)
+@pytest.fixture
+def llm(small_llm):
+    """tests/conftest.py's shared LLM (SMALL_LLM settings), prefix cache emptied per test."""
+    return small_llm
 
 
 def test_string_and_token_prompts_match_transformers(llm, model_dir, hf_greedy):

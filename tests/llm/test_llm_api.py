@@ -5,17 +5,16 @@ from __future__ import annotations
 import pytest
 
 from paged_jax.engine import EngineOutput
-from paged_jax.llm import LLM
 from paged_jax.output_processor import completion_output
 from paged_jax.sampling_params import SamplingParams
 
-SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6], [40, 41, 42], [100, 3, 100, 3, 100]]
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), **SMALL)
+@pytest.fixture
+def llm(small_llm):
+    """tests/conftest.py's shared LLM (SMALL_LLM settings), prefix cache emptied per test."""
+    return small_llm
 
 
 @pytest.fixture(scope="module")

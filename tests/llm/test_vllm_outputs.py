@@ -13,9 +13,10 @@ from paged_jax.testing.fake_model import SumModel, SumModelConfig
 SMALL = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=128)
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    return LLM(str(model_dir), **SMALL)
+@pytest.fixture
+def llm(small_llm):
+    """tests/conftest.py's shared LLM (SMALL_LLM settings), prefix cache emptied per test."""
+    return small_llm
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
