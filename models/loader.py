@@ -11,7 +11,7 @@ import json
 import pathlib
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -237,6 +237,76 @@ def fill_params(
     assert not pending, f"stacked params missing slices (a bug in weight_rules): {list(pending)}"
     nnx.replace_by_pure_dict(state, pure)
     return nnx.merge(graphdef, state)
+
+
+def params_from_named_tensors(
+    cls: type[CausalLM],
+    config: ModelConfig,
+    named_tensors: Iterable[tuple[str, Any]],
+) -> dict[tuple[Any, ...], np.ndarray]:
+    """(Hugging Face name, array) pairs -> {param path: host array in the model's layout}.
+
+    The family's weight table converts each tensor as load_model does (transposes, fused
+    tensors split, MoE experts stacked); names are taken with or without the base-model
+    prefix, and buffers (rotary inv_freq, a tied lm_head, fp8 KV scales) are skipped. A
+    subset of the parameters may be given, but a stacked parameter needs all its slices.
+
+    Raises:
+        ValueError: naming an unknown name, a shape that differs from the table's, or a
+            stacked parameter with slices missing.
+    """
+    rules = cls.weight_rules(config)
+    by_name: dict[str, list[WeightRule]] = {}
+    for rule in rules:
+        by_name.setdefault(rule.hf_name, []).append(rule)
+    ignored = [*cls.hf_ignored_keys, KV_SCALE_KEY.pattern]
+    if config.tie_word_embeddings:
+        ignored.append(r"^lm_head\.weight$")
+    target = np.dtype(jnp.dtype(config.dtype))
+    out: dict[tuple[Any, ...], np.ndarray] = {}
+    pending: dict[tuple[Any, ...], tuple[np.ndarray, set[int], str]] = {}
+    for i, pair in enumerate(named_tensors):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise ValueError(f"named_tensors[{i}]={pair!r:.80} must be a (name, array) pair")
+        key, tensor = pair
+        if any(re.search(pattern, key) for pattern in ignored):
+            continue
+        name = key if key in by_name else cls.hf_base_prefix + key
+        if name not in by_name:
+            example = next(iter(by_name))
+            raise ValueError(
+                f"named_tensors[{i}]: {key!r} is not a parameter name of {cls.__name__} "
+                f"(Hugging Face names, e.g. {example!r})"
+            )
+        array = np.asarray(tensor)
+        for rule in by_name[name]:
+            if tuple(array.shape) != tuple(rule.hf_shape):
+                raise ValueError(
+                    f"named_tensors[{i}]: {key!r} has shape {tuple(array.shape)}, expected "
+                    f"{tuple(rule.hf_shape)}"
+                )
+            value = np.asarray(rule.transform(array)).astype(target, copy=False)
+            if rule.stack is None:
+                out[tuple(rule.param_path)] = value
+                continue
+            index, count = rule.stack
+            path = tuple(rule.param_path)
+            if path not in pending:
+                pending[path] = (np.empty((count, *value.shape), target), set(), key)
+            buffer, filled, _ = pending[path]
+            buffer[index] = value
+            filled.add(index)
+            if len(filled) == count:
+                out[path] = buffer
+                del pending[path]
+    for path, (buffer, filled, key) in pending.items():
+        missing = sorted(set(range(buffer.shape[0])) - filled)
+        raise ValueError(
+            f"named_tensors: {key!r} is one slice of the stacked {'.'.join(map(str, path))} "
+            f"[{buffer.shape[0]}, ...]: all its slices must be given together (missing "
+            f"{missing[:8]})"
+        )
+    return out
 
 
 def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:

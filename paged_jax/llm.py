@@ -230,6 +230,10 @@ class LLM:
         # Ids of calls that ended early (an exception, a closed iterator), aborted at
         # the start of every locked section.
         self._abandoned: list[str] = []
+        self._live: Any = None  # paged_jax.worker.live_weights.LiveWeights, on first use
+        # A model loaded here is the engine's: it follows the served weights (no copy),
+        # so no stale copy stays on the device; a model passed in is left as it was.
+        self._owns_model = isinstance(model, (str, pathlib.Path))
         if warmup:
             self.engine.warmup()
 
@@ -469,6 +473,7 @@ class LLM:
     def _submit(self, i: int, prompt: Any, p: SamplingParams) -> tuple[str, str | None, list[int]]:
         """Adds one prompt (n > 1: one parent request, see Engine.add_request); on
         ValueError nothing of it stays in the engine."""
+        self._check_awake("generate")
         try:
             text, ids = self._prompt_ids(prompt)
         except ValueError as e:
@@ -528,6 +533,7 @@ class LLM:
                 )
             ids.append(p)
         with self._locked():
+            self._check_awake("beam_search")
             return run_beam_search(self.engine, ids, params, decode=self.decode)
 
     def _from_primary(self, *inputs: Any) -> tuple[Any, ...]:
@@ -676,3 +682,153 @@ class LLM:
     def get_stats(self) -> dict[str, Any]:
         """The engine's counters (see Engine.get_stats)."""
         return self.engine.get_stats()
+
+    # ------------------------------------------------------------------ live weights
+    # docs/research_integration.md ("Training loops"): the structure, the copy rules, sleep.
+    def get_weights(self) -> Any:
+        """The served parameters as the model's ``nnx.State`` (one structure on every
+        platform: every layer's own parameters, as ``nnx.merge(graphdef, weights)`` and
+        the dense forward ``model(input_ids)`` take them), with the engine's shardings.
+
+        Unscanned (the CPU default) these are the served arrays themselves: do not donate
+        or delete them while the engine serves them. With EngineConfig.scan_layers the
+        engine serves stacked copies, and this returns one unstacked copy.
+
+        Raises:
+            RuntimeError: while asleep.
+        """
+        with self._locked():
+            return self._live_weights().get()
+
+    def update_weights(self, weights: Any) -> None:
+        """Serves ``weights`` from now on, without compiling anything.
+
+        ``weights`` has get_weights()'s structure (an ``nnx.State`` or its
+        ``nnx.to_pure_dict``), shapes and dtypes. An array already on the engine's
+        devices with the served sharding is used as is (no copy); any other (numpy, or
+        on another device) is copied there once. With EngineConfig.scan_layers the layers
+        are restacked on the device (one copy, no host round trip). The prefix cache is
+        reset: no block computed under the old weights is served again. Callable while
+        asleep (the weights go to the device; wake_up then restores the KV cache).
+
+        Raises:
+            ValueError: a structure, shape or dtype that differs (naming the first path).
+            RuntimeError: requests are unfinished (a generate_iter in progress, another
+                thread's call): finish or abort them first.
+        """
+        with self._locked():
+            self._check_idle("update_weights")
+            self._live_weights().update(weights)
+            self._reset_prefix_cache()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> None:
+        """Loads (Hugging Face name, array) pairs, numpy or jax (vLLM's load_weights).
+
+        The model family's weight table converts each tensor as loading a checkpoint
+        does (transposes, fused tensors split, MoE experts stacked: every expert of a
+        layer's stacked parameter must be given together). The parameters not named keep
+        their values. Nothing compiles; the prefix cache is reset. Tensors pass through
+        host memory for the conversion.
+
+        Raises:
+            ValueError: a name the model has not (naming it), a wrong shape, a model that
+                is not a paged_jax.models family, tensor_parallel_size > 1.
+            RuntimeError: as update_weights.
+        """
+        from paged_jax.models.loader import params_from_named_tensors
+
+        rules = getattr(type(self.model), "weight_rules", None)
+        if rules is None:
+            raise ValueError(
+                f"load_weights needs a paged_jax.models family with a weight table; "
+                f"{type(self.model).__name__} has none (use update_weights)"
+            )
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"load_weights with tensor_parallel_size={self.config.tensor_parallel_size} "
+                "is not supported yet: use update_weights with sharded arrays"
+            )
+        values = params_from_named_tensors(type(self.model), self.model.config, named_tensors)
+        with self._locked():
+            self._check_idle("load_weights")
+            self._live_weights().update_some(values)
+            self._reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Hands the device memory back (vLLM's LLM.sleep), compiling nothing.
+
+        Level 1 deletes the KV cache (the prefix cache is reset) and moves the weights to
+        host memory; level 2 deletes the weights too: update_weights or load_weights (of
+        every parameter) must supply them before wake_up. generate, chat, beam_search and
+        get_weights raise while asleep. Arrays get_weights returned unscanned are the
+        served ones, and are deleted too.
+
+        Raises:
+            ValueError: a level other than 1 or 2, an engine with speculative decoding
+                (its draft model's memory is not handed back yet).
+            RuntimeError: already asleep, or requests are unfinished.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level={level!r} must be 1 or 2")
+        if self.config.speculative_config is not None:
+            raise ValueError(
+                "sleep with speculative_config is not supported yet: the draft model's "
+                "weights and KV cache would stay on the device"
+            )
+        with self._locked():
+            self._check_idle("sleep")
+            live = self._live_weights()
+            if live.asleep is not None:
+                raise RuntimeError(f"sleep(level={level}): the engine is asleep already")
+            self._reset_prefix_cache()
+            live.sleep(level)
+
+    def wake_up(self) -> None:
+        """Puts the weights back on the device (unless new ones were supplied) and
+        allocates the KV cache again, empty; outputs are then those before sleep. No-op
+        when awake.
+
+        Raises:
+            RuntimeError: after sleep(level=2) without update_weights / load_weights.
+        """
+        with self._locked():
+            if self._live is not None:
+                self._live.wake_up()
+                self._follow_served_weights()
+
+    def is_sleeping(self) -> bool:
+        """Whether sleep() was called without a wake_up() since."""
+        return self._live is not None and self._live.asleep is not None
+
+    def _live_weights(self) -> Any:
+        if self._live is None:
+            from paged_jax.worker.live_weights import LiveWeights
+
+            self._live = LiveWeights(self.engine.runner, owns_weights=self._owns_model)
+        return self._live
+
+    def _check_awake(self, what: str) -> None:
+        if self.is_sleeping():
+            raise RuntimeError(f"{what} while the engine sleeps: call wake_up() first")
+
+    def _check_idle(self, what: str) -> None:
+        if self.engine.has_unfinished():
+            raise RuntimeError(
+                f"{what} while requests are unfinished (a generate_iter in progress or "
+                "another thread's call): let them finish or abort them first"
+            )
+
+    def _follow_served_weights(self) -> None:
+        """Points the model this LLM loaded at the served arrays (its old ones are dropped);
+        with stacked layers, its non-layer params (its layers were freed when stacked)."""
+        if not self._owns_model or self.is_sleeping():
+            return
+        from flax import nnx
+
+        weights = self.engine.runner.weights
+        nnx.update(self.model, weights if self.engine.runner.layer_scan is None else weights[0])
+
+    def _reset_prefix_cache(self) -> None:
+        self._follow_served_weights()
+        if not self.engine.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("the prefix cache cannot be reset: KV blocks are still held")
