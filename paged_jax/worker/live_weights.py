@@ -187,9 +187,26 @@ class LiveWeights:
         """Serves ``weights``, a tree of get_weights' structure (ValueError otherwise)."""
         self._update_flat(self.check(weights))
 
+    def _placed_all(self, flat: Mapping[Path, Any]) -> list[jax.Array]:
+        """Every path's array placed (_placed); host arrays for one device in one transfer."""
+        leaves = [flat[p] for p in self.paths]
+        host = [
+            i
+            for i, (p, x) in enumerate(zip(self.paths, leaves))
+            if not isinstance(x, jax.Array)
+            and not isinstance(self.specs[p].sharding, jax.sharding.NamedSharding)
+        ]
+        for i, x in zip(host, jax.device_put([np.asarray(leaves[i]) for i in host])):
+            leaves[i] = x
+        done = set(host)
+        return [
+            x if i in done else self._placed(p, x)
+            for i, (p, x) in enumerate(zip(self.paths, leaves))
+        ]
+
     def _update_flat(self, flat: Mapping[Path, Any]) -> None:
         with compiles_counted_by(self.runner):
-            self._serve([self._placed(p, flat[p]) for p in self.paths])
+            self._serve(self._placed_all(flat))
         if self.asleep is not None:  # the new weights are on the device now
             self.asleep.host, self.asleep.weights_on_device = {}, True
 
@@ -295,7 +312,7 @@ class LiveWeights:
         runner = self.runner
         with compiles_counted_by(runner):
             if not asleep.weights_on_device:
-                self._serve([self._placed(p, asleep.host[p]) for p in self.paths])
+                self._serve(self._placed_all(asleep.host))
             runner.kv_caches = runner.make_kv_caches()
         self.asleep = None
 
