@@ -80,21 +80,27 @@ def build_engine(
     return engine
 
 
-def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """Serves every prompt at once (greedy, max_tokens each); wall time, steps, stats."""
+def serve_all(engine, prompts: list[list[int]], max_tokens: int, tag: str = "q"):
+    """Adds every prompt at once (greedy, max_tokens each, ids tag0, tag1, ...) and steps
+    the engine until all finish: (wall seconds, id -> finished output, stats before,
+    stats after). bench_spec_draft.py times its runs with it too."""
     from paged_jax.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = engine.get_stats()
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"q{i}", p, params)
+        engine.add_request(f"{tag}{i}", p, params)
     outs = {}
     while engine.has_unfinished():
-        outs.update({o.request_id: o.token_ids for o in engine.step()})
-    wall = time.perf_counter() - t0
-    stats = engine.get_stats()
-    tokens = sum(len(v) for v in outs.values())
+        outs.update({o.request_id: o for o in engine.step()})
+    return time.perf_counter() - t0, outs, before, engine.get_stats()
+
+
+def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """Serves every prompt at once (greedy, max_tokens each); wall time, steps, stats."""
+    wall, outs, before, stats = serve_all(engine, prompts, max_tokens)
+    tokens = sum(len(o.token_ids) for o in outs.values())
     run = {
         "wall_s": wall,
         "generated_tokens": tokens,
@@ -113,7 +119,7 @@ def run_once(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, Any
         run["accepted_tokens"] = accepted
         run["acceptance_rate"] = accepted / drafted if drafted else 0.0
         run["acceptance_rate_per_position"] = stats["spec_acceptance_rate_per_position"]
-    return {"run": run, "outputs": [outs[f"q{i}"] for i in range(len(prompts))]}
+    return {"run": run, "outputs": [outs[f"q{i}"].token_ids for i in range(len(prompts))]}
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -24,7 +24,6 @@ import pathlib
 import platform
 import statistics
 import sys
-import time
 
 from paged_jax.baselines.json_report import write_json_atomic
 
@@ -122,18 +121,9 @@ def build_engine(args: argparse.Namespace, dirs: dict[str, pathlib.Path], settin
 
 
 def timed_run(engine, requests: list[list[int]], max_tokens: int, tag: str) -> dict:
-    from paged_jax.sampling_params import SamplingParams
+    from bench_spec_decode import serve_all  # scripts/, this script's folder
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    before = engine.get_stats()
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(requests):
-        engine.add_request(f"{tag}-{i}", prompt, params)
-    outs = {}
-    while engine.has_unfinished():
-        outs.update({o.request_id: o for o in engine.step()})
-    wall = time.perf_counter() - t0
-    after = engine.get_stats()
+    wall, outs, before, after = serve_all(engine, requests, max_tokens, f"{tag}-")
     tokens = sum(len(o.token_ids) for o in outs.values())
     drafted = after.get("spec_num_draft_tokens", 0) - before.get("spec_num_draft_tokens", 0)
     accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
