@@ -65,6 +65,20 @@ def _unstack_fn(stacked: tuple[Any, ...]) -> list[list[Any]]:
     return [[jax.tree.map(lambda x, s=s: x[s], st) for st in stacked] for s in range(num_steps)]
 
 
+def _abstract_unstack(stacked: tuple[Any, ...]) -> list[list[Any]]:
+    """_unstack_fn's result as ShapeDtypeStructs with the slices' shardings (nothing runs)."""
+
+    def row(x: jax.Array) -> jax.ShapeDtypeStruct:
+        sharding = x.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):  # the stack's axis is whole
+            spec = jax.sharding.PartitionSpec(*sharding.spec[1:])
+            sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
+        return jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=sharding)
+
+    num_steps = jax.tree.leaves(stacked)[0].shape[0]
+    return [[jax.tree.map(row, st) for st in stacked] for _ in range(num_steps)]
+
+
 def _restack_fn(layers: list[list[Any]]) -> tuple[Any, ...]:
     """The inverse of _unstack_fn: per period position, every step's state stacked."""
     period = len(layers[0])
@@ -110,8 +124,7 @@ class LiveWeights:
         self.paths: list[Path] = list(
             flat_weights(jax.tree.unflatten(treedef, [0] * treedef.num_leaves))
         )
-        with compiles_counted_by(runner):
-            served = self._canonical_leaves(runner.weights, self._unstack)
+        served = self._canonical_leaves(runner.weights, _abstract_unstack)  # no copy
         self.specs: dict[Path, jax.ShapeDtypeStruct] = {
             p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
             for p, x in zip(self.paths, served)
@@ -322,7 +335,9 @@ class LiveWeights:
 
 
 def _abstract(x: Any) -> Any:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+    if not isinstance(x, jax.Array):
+        return x
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def live_bytes() -> int:
