@@ -17,6 +17,8 @@ instead of corrupting the cache.
 Non-finite logits are flagged per sequence inside the step (StepResult.nonfinite).
 Prompt logprobs: the step also returns the last layer's output in fixed-size chunks,
 and one more program turns a chunk into each row's logprobs (dispatch's prompt_rows).
+The weights being step arguments, new ones of the same shapes never recompile
+(paged_jax.worker.live_weights replaces them; the pool's sizing: worker/kv_pool_sizing).
 """
 
 from __future__ import annotations
