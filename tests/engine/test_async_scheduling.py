@@ -77,17 +77,22 @@ def test_async_outputs_equal_sync(config):
 
 def test_a_stop_costs_at_most_one_extra_step_and_length_none():
     cont = SumModel.reference_continuation([5], 10, VOCAB)
+    # One engine per mode serves both cases; num_steps is cumulative, so each case counts
+    # its own steps (every run ends drained: no step in flight carries over).
+    engines = {mode: make_engine(async_scheduling=mode) for mode in (False, True)}
     for params, reason in (
         (SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[cont[5]]), "stop"),
         (SamplingParams(temperature=0, max_tokens=6), "length"),
     ):
         steps = {}
-        for mode in (False, True):
-            engine = make_engine(async_scheduling=mode)
+        for mode, engine in engines.items():
+            before = engine.get_stats()["num_steps"]
+            assert engine.kv_cache_manager.reset_prefix_cache()  # the same prompt again
             engine.add_request("a", [5], params)
             out = run_all(engine)["a"]
             assert out.token_ids == cont[:6] and out.finish_reason == reason
-            steps[mode] = engine.get_stats()["num_steps"]
+            assert_pool_drained(engine)
+            steps[mode] = engine.get_stats()["num_steps"] - before
         assert steps[False] == 6  # one token per step
         # A stop token is seen one step late (that step's token is discarded); a length
         # stop is known in advance and costs nothing.

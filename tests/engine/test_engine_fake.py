@@ -53,6 +53,25 @@ def assert_pool_drained(engine: Engine) -> None:
     assert engine.runner.num_swapped_requests == 0
 
 
+@pytest.fixture(scope="module")
+def _shared_default_engine() -> Engine:
+    return make_engine()
+
+
+@pytest.fixture
+def default_engine(_shared_default_engine) -> Engine:
+    """make_engine() with its defaults, built once per module: drained, prefix cache empty.
+
+    The tests using it need nothing but the default settings; sharing saves an engine build
+    (model trace and step compiles) each. Each starts from an idle engine with no cached
+    prefix, so none depends on the tests before it. get_stats() counters are cumulative.
+    """
+    engine = _shared_default_engine
+    assert_pool_drained(engine)
+    assert engine.kv_cache_manager.reset_prefix_cache(), "blocks still held by a request"
+    return engine
+
+
 def random_prompts(n: int, seed: int, lo=1, hi=30) -> dict[str, list[int]]:
     rng = np.random.default_rng(seed)
     return {f"r{i}": rng.integers(0, VOCAB, rng.integers(lo, hi)).tolist() for i in range(n)}
@@ -93,8 +112,9 @@ def test_chunked_prefill_with_a_small_token_budget():
     assert engine.get_stats()["num_steps"] >= sum(map(len, prompts.values())) // 8
 
 
-def test_prefix_caching_shares_blocks_and_stays_exact():
-    engine = make_engine(num_kv_blocks=64)
+def test_prefix_caching_shares_blocks_and_stays_exact(default_engine):
+    engine = default_engine  # num_kv_blocks=64
+    hits_before = engine.get_stats()["prefix_cache_hits"]
     rng = np.random.default_rng(4)
     system = rng.integers(0, VOCAB, 21).tolist()
     prompts = {f"r{i}": system + rng.integers(0, VOCAB, 1 + i).tolist() for i in range(10)}
@@ -102,8 +122,7 @@ def test_prefix_caching_shares_blocks_and_stays_exact():
     first = {"r0": prompts.pop("r0")}
     check_greedy(engine, first, {"r0": 3})
     outs = check_greedy(engine, prompts, {rid: 4 for rid in prompts})
-    stats = engine.get_stats()
-    assert stats["prefix_cache_hits"] > 0
+    assert engine.get_stats()["prefix_cache_hits"] > hits_before
     # 21 shared tokens = 5 full blocks of 4 tokens.
     assert all(o.num_cached_tokens == 20 for o in outs.values())
 
@@ -125,8 +144,8 @@ def test_no_compiles_after_warmup_over_100_requests():
     assert stats["num_compiles"] > 0  # the counter does count (warmup compiled)
 
 
-def sampled_outputs(order: list[str], prompts, extra: int) -> dict[str, list[int]]:
-    engine = make_engine(max_num_seqs=4)
+def sampled_outputs(engine, order: list[str], prompts, extra: int) -> dict[str, list[int]]:
+    assert engine.kv_cache_manager.reset_prefix_cache()  # the second run recomputes, too
     for i in range(extra):  # unrelated traffic changes the batch composition
         engine.add_request(f"x{i}", [i + 1] * (3 + i), SamplingParams(max_tokens=7, seed=i))
     for rid in order:
@@ -140,8 +159,9 @@ def sampled_outputs(order: list[str], prompts, extra: int) -> dict[str, list[int
 
 def test_seeded_sampling_ignores_batch_composition_and_arrival_order():
     prompts = random_prompts(5, seed=8)
-    a = sampled_outputs(list(prompts), prompts, extra=0)
-    b = sampled_outputs(list(reversed(prompts)), prompts, extra=6)
+    engine = make_engine(max_num_seqs=4)  # one engine for both runs: request ids are reused
+    a = sampled_outputs(engine, list(prompts), prompts, extra=0)
+    b = sampled_outputs(engine, list(reversed(prompts)), prompts, extra=6)
     assert a == b
     # And sampling is not secretly greedy.
     greedy = {rid: SumModel.reference_continuation(p, 12, VOCAB) for rid, p in prompts.items()}
@@ -179,8 +199,8 @@ def test_min_tokens_masks_eos_until_reached():
     assert len(out.token_ids) >= 2
 
 
-def test_logprobs_are_returned_per_token():
-    engine = make_engine()
+def test_logprobs_are_returned_per_token(default_engine):
+    engine = default_engine
     engine.add_request("lp", [3, 4], SamplingParams(temperature=0, max_tokens=3, logprobs=2))
     out = run_all(engine)["lp"]
     assert len(out.logprobs) == 3
@@ -213,8 +233,8 @@ def test_bad_input_is_rejected_and_the_rest_still_complete():
     assert_pool_drained(engine)
 
 
-def test_abort_frees_a_running_request():
-    engine = make_engine()
+def test_abort_frees_a_running_request(default_engine):
+    engine = default_engine
     engine.add_request("a", [1] * 10, SamplingParams(temperature=0, max_tokens=50))
     engine.add_request("b", [2] * 10, SamplingParams(temperature=0, max_tokens=5))
     engine.step()
