@@ -730,8 +730,11 @@ class Engine:
         for req in broken:  # its token is garbage: it ends here, the others go on
             if not req.is_finished():  # else a stop among its kept speculative tokens came first
                 end(req, RequestStatus.FINISHED_ERROR, NONFINITE_LOGITS_ERROR)
-        for req, token in refused:
-            end(req, RequestStatus.FINISHED_ERROR, GRAMMAR_REFUSED_ERROR.format(token=token))
+        for req, token in refused:  # with the backend's reason, when it gave one
+            message = GRAMMAR_REFUSED_ERROR.format(token=token)
+            reason = structured.refusal_reason(req.request_id)
+            end(req, RequestStatus.FINISHED_ERROR, f"{message}: {reason}" if reason else message)
+            live.pop(req.request_id, None)
         for req_id in grammar_done:  # EOS ended the grammar under ignore_eos: a stop
             req = requests.get(req_id)
             if req is not None and not req.is_finished():
