@@ -126,13 +126,13 @@ def test_shard_index_subfolders_inside_the_directory_still_load(ckpt):
     check_model_dir(ckpt)
 
 
-def run_in_subprocess(code: str, timeout: float = 300.0) -> str:
+def run_in_subprocess(code: str, *args: str, timeout: float = 300.0) -> str:
     """Runs `code` in a fresh interpreter; a hang (a blocked open of a FIFO may hold the
     GIL, so a thread cannot time it out) fails the test instead of blocking the run.
     `timeout` is that hang guard, not a speed limit: far above a checkpoint check."""
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(code)],
+            [sys.executable, "-c", textwrap.dedent(code), *args],
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -143,50 +143,83 @@ def run_in_subprocess(code: str, timeout: float = 300.0) -> str:
     return proc.stdout
 
 
-CHECK_DIR = """
+# Every FIFO case runs in ONE fresh interpreter (each start imports jax: about 2 CPU s), one
+# case after another; each prints the error it got. A case that blocks hangs them all and
+# fails every FIFO test at the guard, which names no case: run the script by hand then.
+FIFO_CASES = """
+    import json, os, pathlib, sys
     from paged_jax.models.loader import check_model_dir
-    try:
-        check_model_dir({path!r})
-    except ValueError as err:
-        print(err)
+    from paged_jax.models.safetensors_io import SafetensorsCheckpoint
+    out = {}
+    for case in json.loads(sys.argv[1]):
+        path = pathlib.Path(case["dir"])
+        try:
+            if case["kind"] == "check_dir":
+                check_model_dir(path)
+            else:  # the weights file becomes a FIFO after its header was read
+                checkpoint = SafetensorsCheckpoint(path)
+                weights = path / "model.safetensors"
+                weights.unlink()
+                os.mkfifo(weights)
+                checkpoint.read("model.norm.weight")
+            out[case["name"]] = "no error"
+        except ValueError as err:
+            out[case["name"]] = str(err)
+    print(json.dumps(out))
 """
+FIFO_NAMES = ["model.safetensors", "model-00001-of-00001.safetensors"]
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "model-00001-of-00001.safetensors"])
-def test_a_fifo_named_safetensors_is_refused_without_blocking(ckpt, name):
-    (ckpt / "model.safetensors").unlink()
-    fifo = ckpt / name
-    os.mkfifo(fifo)
-    out = run_in_subprocess(CHECK_DIR.format(path=str(ckpt)))
-    assert f"weights file {fifo} is a FIFO: only regular files are read as weights" in out
+@pytest.fixture(scope="module")
+def fifo_errors(tiny_hf_checkpoint, tmp_path_factory):
+    """{case name: the ValueError's text} for every FIFO case, and each case's directory."""
+    root = tmp_path_factory.mktemp("fifo")
+    cases, dirs = [], {}
 
+    def case(name, kind):
+        dirs[name] = root / name
+        shutil.copytree(tiny_hf_checkpoint("llama"), dirs[name])
+        cases.append(dict(name=name, kind=kind, dir=str(dirs[name])))
+        return dirs[name]
 
-def test_a_fifo_named_in_the_shard_index_is_refused_without_blocking(ckpt):
+    for name in FIFO_NAMES:  # a FIFO named as the weights file
+        ckpt = case(f"named-{name}", "check_dir")
+        (ckpt / "model.safetensors").unlink()
+        os.mkfifo(ckpt / name)
+    ckpt = case("in-index", "check_dir")  # a FIFO the shard index names
     weight_map = {k: "shard.safetensors" for k in load_file(ckpt / "model.safetensors")}
     (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     os.mkfifo(ckpt / "shard.safetensors")
-    assert "shard.safetensors is a FIFO" in run_in_subprocess(CHECK_DIR.format(path=str(ckpt)))
+    for bf16 in (False, True):
+        ckpt = case(f"replaced-bf16={bf16}", "replaced_after_header")
+        if bf16:
+            import ml_dtypes
+
+            rewrite(
+                ckpt, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()})
+            )
+    out = run_in_subprocess(FIFO_CASES, json.dumps(cases))
+    return json.loads(out.strip().splitlines()[-1]), dirs
+
+
+@pytest.mark.parametrize("name", FIFO_NAMES)
+def test_a_fifo_named_safetensors_is_refused_without_blocking(fifo_errors, name):
+    errors, dirs = fifo_errors
+    fifo = dirs[f"named-{name}"] / name
+    assert fifo.is_fifo()
+    want = f"weights file {fifo} is a FIFO: only regular files are read as weights"
+    assert want in errors[f"named-{name}"]
+
+
+def test_a_fifo_named_in_the_shard_index_is_refused_without_blocking(fifo_errors):
+    errors, _ = fifo_errors
+    assert "shard.safetensors is a FIFO" in errors["in-index"]
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_a_weights_file_replaced_by_a_fifo_after_its_header_was_read(ckpt, bf16):
-    if bf16:
-        import ml_dtypes
-
-        rewrite(ckpt, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}))
-    code = f"""
-        import os, pathlib
-        from paged_jax.models.safetensors_io import SafetensorsCheckpoint
-        checkpoint = SafetensorsCheckpoint(pathlib.Path({str(ckpt)!r}))
-        weights = pathlib.Path({str(ckpt / "model.safetensors")!r})
-        weights.unlink()
-        os.mkfifo(weights)
-        try:
-            checkpoint.read("model.norm.weight")
-        except ValueError as err:
-            print(err)
-    """
-    assert "is a FIFO" in run_in_subprocess(code)
+def test_a_weights_file_replaced_by_a_fifo_after_its_header_was_read(fifo_errors, bf16):
+    errors, _ = fifo_errors
+    assert "is a FIFO" in errors[f"replaced-bf16={bf16}"]
 
 
 def test_more_layers_than_tensors_is_one_short_error(ckpt):
