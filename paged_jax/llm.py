@@ -478,6 +478,11 @@ class LLM:
             text, ids = self._prompt_ids(prompt)
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
+        if p.logprobs_mode != "raw_logprobs" and self.config.speculative_config is not None:
+            raise ValueError(
+                f"prompts[{i}]: logprobs_mode={p.logprobs_mode!r} is not supported with "
+                "speculative_config yet; use 'raw_logprobs'"
+            )
         rid = str(next(self._ids))
         try:
             self.engine.add_request(rid, ids, p)

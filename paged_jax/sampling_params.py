@@ -12,6 +12,8 @@ from paged_jax.structured_outputs import StructuredOutputsParams
 MAX_LOGPROBS = 20
 # Stop token ids masked while min_tokens is unmet: a fixed width keeps the step's shape static.
 MAX_MIN_TOKENS_STOP_IDS = 16
+# vLLM's logprobs_mode values this engine serves (its "raw_logits" / "processed_logits" not).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,12 @@ class SamplingParams:
         skip_special_tokens: leave special tokens out of the decoded text.
         structured_outputs: a constraint the output must satisfy (JSON schema, regex,
             choice, grammar; docs/structured_outputs.md), or None.
+        logprobs_mode: which distribution ``logprobs`` (the sampled token's and the top
+            ones) are read from (vLLM's name and values): "raw_logprobs", the model's
+            log-softmax (after a structured-outputs mask only); "processed_logprobs",
+            the distribution actually sampled from: after min_tokens bans, penalties,
+            temperature (not for greedy rows), top-k, top-p and min-p (-inf outside the
+            kept set). Prompt logprobs stay raw. Not with speculative decoding yet.
     """
 
     n: int = 1
@@ -73,6 +81,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.
@@ -134,6 +143,8 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             fail(self, "structured_outputs", "None or a StructuredOutputsParams")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            fail(self, "logprobs_mode", f"one of {LOGPROBS_MODES}")
 
     @property
     def has_penalties(self) -> bool:

@@ -18,15 +18,15 @@ live in a BlockTable), SamplingMetadata, the TokenFeed and the step's StepCopies
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from paged_jax.config import EngineConfig, bucket_for
 from paged_jax.core.copy_on_write import max_copies_per_step
 from paged_jax.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroupSpec
-from paged_jax.core.scheduler_output import ScheduledSeq
+from paged_jax.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from paged_jax.sampling_params import MAX_MIN_TOKENS_STOP_IDS, SamplingParams
 from paged_jax.worker.block_table import PAD_SLOT_ID, BlockIds, BlockTable
 from paged_jax.worker.step_input import (
@@ -63,6 +63,7 @@ class _RowsSampling(NamedTuple):
     no_masked: np.ndarray  # i32[S, K] all -1
     any_min_tokens: bool
     any_penalty: bool
+    processed_logprobs: np.ndarray | None  # bool[S]; None: every row raw_logprobs
 
 
 class InputBatch:
@@ -109,6 +110,7 @@ class InputBatch:
         self.frequency_penalty = np.zeros(n, np.float32)
         self.repetition_penalty = np.ones(n, np.float32)
         self.has_penalty = np.zeros(n, bool)
+        self.processed_logprobs = np.zeros(n, bool)
         self.row_of: dict[str, int] = {}
         self.req_of_row: list[str | None] = [None] * n
         # Bumped whenever a row changes hands: keys the reuse of sampling arrays.
@@ -118,6 +120,33 @@ class InputBatch:
         self.num_spec_tokens = config.num_speculative_tokens
 
     # ----------------------------------------------------------------- rows
+    def apply_schedule(
+        self,
+        out: SchedulerOutput,
+        requests: Mapping[str, Any],
+        seeds: Mapping[str, int],
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        """Mirrors a schedule's row changes: removed requests' rows go first, then new
+        (or resumed) requests get rows (their ``sampling_params`` from ``requests``,
+        their seeds; a min_tokens request also stops early on none of eos_token_ids),
+        then new and replaced block ids land."""
+        for req_id in out.removed_req_ids:
+            if req_id in self.row_of:
+                self.remove_request(req_id)
+        for row in out.new_rows:
+            params = requests[row.req_id].sampling_params
+            stop_ids = ()
+            if params.min_tokens:
+                stop_ids = [*params.stop_token_ids, *eos_token_ids]
+            self.add_request(
+                row.req_id, row.token_ids, row.block_ids, params, seeds[row.req_id], stop_ids
+            )
+        if out.new_block_ids:
+            self.append_new_block_ids(out.new_block_ids)
+        for req_id, updates in out.replaced_block_ids.items():
+            self.replace_block_ids(req_id, updates)
+
     def add_request(
         self,
         req_id: str,
@@ -146,6 +175,13 @@ class InputBatch:
         self.frequency_penalty[row] = params.frequency_penalty
         self.repetition_penalty[row] = params.repetition_penalty
         self.has_penalty[row] = params.has_penalties
+        processed = params.logprobs_mode == "processed_logprobs"
+        if processed and self.num_spec_tokens:
+            raise ValueError(
+                "SamplingParams.logprobs_mode='processed_logprobs' is not supported with "
+                "speculative decoding yet; use 'raw_logprobs'"
+            )
+        self.processed_logprobs[row] = processed
         self.stop_ids[row] = -1
         if params.min_tokens > 0:
             ids = list(dict.fromkeys(min_tokens_stop_ids))
@@ -393,6 +429,7 @@ class InputBatch:
             seeds=rows_sampling.seeds,
             counters=counters,
             masked_token_ids=masked,
+            processed_logprobs=rows_sampling.processed_logprobs,
             **penalties,
         )
 
@@ -422,6 +459,11 @@ class InputBatch:
             no_masked=np.full((s_pad, self.stop_ids.shape[1]), -1, np.int32),
             any_min_tokens=bool((self.min_tokens[rows] > 0).any()),
             any_penalty=bool(self.has_penalty[rows].any()),
+            processed_logprobs=(
+                padded(self.processed_logprobs, False)
+                if self.processed_logprobs[rows].any()
+                else None
+            ),
         )
         self._rows_sampling_cache = (key, entry)
         return entry

@@ -39,7 +39,7 @@ class SamplerOutput(NamedTuple):
     """The sampler's per-row outputs; a row with a non-finite logit has the values noted."""
 
     token_ids: jax.Array  # i32[S]; NONFINITE_TOKEN_ID on a non-finite row
-    logprobs: jax.Array  # f32[S]; sampled token's log-prob (raw distribution); NaN there
+    logprobs: jax.Array  # f32[S]; sampled token's log-prob (logprobs_mode's); NaN there
     top_token_ids: jax.Array  # i32[S, MAX_LOGPROBS]; 0 there
     top_logprobs: jax.Array  # f32[S, MAX_LOGPROBS]; NaN there
     ranks: jax.Array  # i32[S]; sampled token's 1-based rank (see token_logprobs); 0 there
@@ -273,7 +273,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
     Returns:
         SamplerOutput with the sampled ids, their log-probabilities (of the distribution
-        the bitmask leaves, if any, before bans and penalties) and ranks,
+        the bitmask leaves, if any, before bans and penalties; with
+        meta.processed_logprobs, of the distribution sampled from on those rows) and ranks,
         plus the top MAX_LOGPROBS log-probabilities of each row. A row whose raw logits hold a
         NaN or an infinity (checked before bans, which add -inf on purpose) gets
         NONFINITE_TOKEN_ID and NaN log-probabilities instead, whatever it would have drawn.
@@ -299,18 +300,35 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         meta.seeds, meta.counters
     )
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    # An all-greedy batch skips the race (one [S, V] random draw) and the filters at run
-    # time (both branches are compiled once, so shapes stay static).
-    sampled = jax.lax.cond(
-        jnp.any(meta.temperature > 0),
-        lambda: jax.vmap(race)(
-            processed_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p),
-            keys,
-        ),
-        lambda: greedy,
-    )
+
+    def processed() -> jax.Array:
+        return processed_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+
+    if meta.processed_logprobs is None:
+        # An all-greedy batch skips the race (one [S, V] random draw) and the filters at
+        # run time (both branches are compiled once, so shapes stay static).
+        sampled = jax.lax.cond(
+            jnp.any(meta.temperature > 0),
+            lambda: jax.vmap(race)(processed(), keys),
+            lambda: greedy,
+        )
+        stats_logprobs = raw_logprobs
+    else:
+        # logprobs_mode="processed_logprobs" on some row: its logprobs are the log-softmax
+        # of the very logits its race reads (greedy rows: after bans and penalties).
+        sampling_logits = processed()
+        sampled = jax.lax.cond(
+            jnp.any(meta.temperature > 0),
+            lambda: jax.vmap(race)(sampling_logits, keys),
+            lambda: greedy,
+        )
+        stats_logprobs = jnp.where(
+            meta.processed_logprobs[:, None],
+            jax.nn.log_softmax(sampling_logits, axis=-1),
+            raw_logprobs,
+        )
     token_ids = jnp.where(meta.temperature > 0, sampled, greedy)
-    stats = token_logprobs(raw_logprobs, token_ids)
+    stats = token_logprobs(stats_logprobs, token_ids)
     bad = nonfinite[:, None]
     return SamplerOutput(
         jnp.where(nonfinite, NONFINITE_TOKEN_ID, token_ids),

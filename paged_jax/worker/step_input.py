@@ -182,6 +182,9 @@ class SamplingMetadata(NamedTuple):
     # Structured outputs (None = no row constrained): bit t % 32 of word t // 32 of row s
     # allows token t (paged_jax.structured_outputs); all ones (-1) constrains nothing.
     bitmask: Any = None  # i32[S, W]; W = cdiv(vocab_size, 32)
+    # SamplingParams.logprobs_mode (None = every row "raw_logprobs"): True where the row's
+    # logprobs are read from the distribution it samples from (processed_logits).
+    processed_logprobs: Any = None  # bool[S]
 
 
 class TokenFeed(NamedTuple):
