@@ -100,7 +100,10 @@ def test_processed_logprobs_equal_the_sampled_distribution(family_llm):
         history = np.zeros((n, len(prompt) + n), np.int32)
         for t in range(n):
             history[t, : len(prompt) + t] = prompt + output[:t]
-        f32 = lambda v: jnp.full((n,), v, jnp.float32)  # noqa: E731
+
+        def f32(v, n=n):
+            return jnp.full((n,), v, jnp.float32)
+
         penalised = apply_penalties(
             logits,
             jnp.asarray(history),
