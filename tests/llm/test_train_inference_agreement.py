@@ -147,3 +147,15 @@ def test_logprobs_mode_is_checked():
     with pytest.raises(ValueError, match=r"SamplingParams.logprobs_mode='raw_logits' must be"):
         SamplingParams(logprobs_mode="raw_logits")
     assert SamplingParams().logprobs_mode == "raw_logprobs"
+
+
+def test_processed_logprobs_refused_with_speculative_decoding(tiny_hf_checkpoint):
+    llm = LLM(
+        str(tiny_hf_checkpoint("llama")),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+        **ENGINE,
+    )
+    params = SamplingParams(logprobs=0, logprobs_mode="processed_logprobs")
+    with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs_mode='processed_logprobs'"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished()
