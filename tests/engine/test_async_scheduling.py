@@ -75,11 +75,12 @@ def test_async_outputs_equal_sync(config):
     assert any(o.finish_reason == "stop" for o in async_outs.values())
 
 
-def test_a_stop_costs_at_most_one_extra_step_and_length_none():
+def test_a_stop_costs_at_most_one_extra_step_and_length_none(default_engine):
     cont = SumModel.reference_continuation([5], 10, VOCAB)
     # One engine per mode serves both cases; num_steps is cumulative, so each case counts
     # its own steps (every run ends drained: no step in flight carries over).
-    engines = {mode: make_engine(async_scheduling=mode) for mode in (False, True)}
+    assert default_engine.config.async_scheduling  # the default
+    engines = {False: make_engine(async_scheduling=False), True: default_engine}
     for params, reason in (
         (SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[cont[5]]), "stop"),
         (SamplingParams(temperature=0, max_tokens=6), "length"),
@@ -99,9 +100,9 @@ def test_a_stop_costs_at_most_one_extra_step_and_length_none():
         assert steps[True] == steps[False] + (1 if reason == "stop" else 0), (reason, steps)
 
 
-def test_a_reused_request_id_never_receives_a_stale_token():
+def test_a_reused_request_id_never_receives_a_stale_token(default_engine):
     cont = SumModel.reference_continuation([5], 10, VOCAB)
-    engine = make_engine()
+    engine = default_engine
     engine.add_request(
         "a", [5], SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[cont[2]])
     )
@@ -113,8 +114,8 @@ def test_a_reused_request_id_never_receives_a_stale_token():
     assert_pool_drained(engine)
 
 
-def test_abort_with_a_step_in_flight():
-    engine = make_engine()
+def test_abort_with_a_step_in_flight(default_engine):
+    engine = default_engine
     engine.add_request("a", [1] * 10, SamplingParams(temperature=0, max_tokens=50))
     engine.add_request("b", [2] * 10, SamplingParams(temperature=0, max_tokens=5))
     engine.step()

@@ -53,25 +53,6 @@ def assert_pool_drained(engine: Engine) -> None:
     assert engine.runner.num_swapped_requests == 0
 
 
-@pytest.fixture(scope="module")
-def _shared_default_engine() -> Engine:
-    return make_engine()
-
-
-@pytest.fixture
-def default_engine(_shared_default_engine) -> Engine:
-    """make_engine() with its defaults, built once per module: drained, prefix cache empty.
-
-    The tests using it need nothing but the default settings; sharing saves an engine build
-    (model trace and step compiles) each. Each starts from an idle engine with no cached
-    prefix, so none depends on the tests before it. get_stats() counters are cumulative.
-    """
-    engine = _shared_default_engine
-    assert_pool_drained(engine)
-    assert engine.kv_cache_manager.reset_prefix_cache(), "blocks still held by a request"
-    return engine
-
-
 def random_prompts(n: int, seed: int, lo=1, hi=30) -> dict[str, list[int]]:
     rng = np.random.default_rng(seed)
     return {f"r{i}": rng.integers(0, VOCAB, rng.integers(lo, hi)).tolist() for i in range(n)}
