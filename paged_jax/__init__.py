@@ -27,7 +27,7 @@ from paged_jax.model_api import PagedModel, PagedModelConfig
 from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode.proposer import SpeculativeConfig
-from paged_jax.structured_outputs import StructuredOutputsParams
+from paged_jax.structured_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from paged_jax.engine import Engine

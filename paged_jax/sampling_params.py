@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from paged_jax.constants import fail, is_int, is_number
-from paged_jax.structured_outputs import StructuredOutputsParams
+from paged_jax.structured_params import StructuredOutputsParams
 
 # The device sampler keeps a fixed number of top logprobs per row so its shape is static.
 MAX_LOGPROBS = 20
