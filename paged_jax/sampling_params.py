@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from paged_jax.constants import fail, is_int, is_number
 from paged_jax.structured_params import StructuredOutputsParams
@@ -13,7 +14,8 @@ MAX_LOGPROBS = 20
 # Stop token ids masked while min_tokens is unmet: a fixed width keeps the step's shape static.
 MAX_MIN_TOKENS_STOP_IDS = 16
 # vLLM's logprobs_mode values this engine serves (its "raw_logits" / "processed_logits" not).
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +83,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
-    logprobs_mode: str = "raw_logprobs"
+    logprobs_mode: LogprobsMode = "raw_logprobs"
 
     def __post_init__(self) -> None:
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.

@@ -131,6 +131,7 @@ SAMPLING_FLAGS = {
     "stop_token_ids": Flag("besides EOS", default=None, extra={"nargs": "+", "metavar": "ID"}),
     "ignore_eos": Flag("generate past EOS"),
     "logprobs": Flag(f"top logprobs per token (0-{MAX_LOGPROBS})"),
+    "logprobs_mode": Flag("processed_logprobs: of the distribution sampled from"),
     "prompt_logprobs": Flag(f"top logprobs per prompt token (0-{MAX_LOGPROBS})"),
     "presence_penalty": Flag("[-2, 2]"),
     "frequency_penalty": Flag("[-2, 2]"),
