@@ -3,17 +3,10 @@
 add_request -> Scheduler.schedule -> InputBatch.prepare -> Runner.dispatch
             -> Scheduler.update_from_output -> OutputProcessor -> finished EngineOutputs
 
-The core schedules, executes, applies sampled tokens and rolls a failed step back (see
-``Engine.step``); it never looks at text. The output side (a step's sampled tokens
-read, logprob entries, stop strings, first-token times, EngineOutputs) is
-``paged_jax.output_processor``; features
-are components the core calls from one place each: parallel sampling
-(``paged_jax.parallel_sampling``: a parent's requests queued, its samples forked
-after one prefill and gathered),
-structured outputs (``paged_jax.structured_outputs.StructuredOutputs``: a bitmask per
-step) and speculative decoding (``paged_jax.spec_decode.speculator``: proposals in,
-verified tokens out). The core also owns forks (``fork_request``); one lock serialises
-the public calls of several threads.
+The core schedules, executes, applies sampled tokens and rolls a failed step back; it
+never looks at text. The output side is ``paged_jax.output_processor``; parallel
+sampling, structured outputs and speculative decoding are components it calls from one
+place each (docs/engine.md, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ import numpy as np
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.request import Request, RequestStatus, fork_child
+from paged_jax.core.request import Request, RequestStatus, fork_child, new_request
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.scheduler_output import SchedulerOutput
 from paged_jax.distributed import LockstepGuard, lockstep_parts, num_processes, schedule_digest
@@ -43,7 +36,7 @@ from paged_jax.engine_types import (
     InFlightStep,
 )
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
-from paged_jax.output_processor import OutputProcessor
+from paged_jax.output_processor import CompileCounts, OutputProcessor
 from paged_jax.outputs import EngineOutput
 from paged_jax.parallel_sampling import ParallelSampling
 from paged_jax.prompt_logprobs import PromptLogprobs
@@ -51,12 +44,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.spec_decode.proposer import Proposer, ProposerContext, build_proposer
 from paged_jax.spec_decode.speculator import Speculator
 from paged_jax.structured_outputs import StructuredOutputs
-from paged_jax.worker.executable_cache import (
-    ExecutableCache,
-    WarmupReport,
-    model_identity,
-    program_context,
-)
+from paged_jax.worker.executable_cache import WarmupReport, engine_cache, model_identity
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import PendingStep, Runner
 
@@ -72,6 +60,13 @@ def _serialised(method):
             return method(self, *args, **kwargs)
 
     return locked
+
+
+def _sampling_params(value: Any, default: SamplingParams) -> SamplingParams:
+    params = default if value is None else value
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
+    return params
 
 
 def in_flight_step(
@@ -121,11 +116,8 @@ class Engine:
         parallel_sampling, structured, speculator: the feature components (the last
             None without EngineConfig.speculative_config).
 
-    Threads: the calls that read or change requests (add_request, fork_request,
-    abort_request, get_logprobs, step, warmup, get_stats, reset_peak_stats) hold one
-    re-entrant lock, so calls from several threads run one at a time and never see
-    half-updated state. Each step() returns the requests that finished in it to the
-    thread that called it; ``paged_jax.LLM`` routes outputs to the call that added them.
+    Threads: the calls that read or change requests hold one re-entrant lock; each
+    step() returns what finished in it to its caller (docs/engine.md, "Threads").
     """
 
     def __init__(
@@ -165,14 +157,11 @@ class Engine:
         # Read before the runner may take the model's layers over.
         self._model_identity = model_identity(model)
         self._model_name = type(model).__name__
-        # A program built for several processes is not reloaded from disk: each
-        # process compiles its own part of the job at warm-up.
-        multiprocess = num_processes() > 1
-        self._executable_cache_dir = None if multiprocess else executable_cache_dir
+        self._executable_cache_dir = executable_cache_dir
         # The processes of one engine compare their schedules before the steps run.
         self._lockstep = (
             LockstepGuard(config.lockstep_check_interval, every_step=config.validate)
-            if multiprocess
+            if num_processes() > 1
             else None
         )
         self.warmup_report: WarmupReport | None = None
@@ -228,8 +217,7 @@ class Engine:
         self._synchronous = False
         self._num_steps = 0
         # Compiles of the engine's own programs (Runner.num_compiles), not the process's.
-        self._compiles_at_start = self._num_compiles()
-        self._compiles_after_warmup: int | None = None
+        self._compiles = CompileCounts(self._num_compiles)
 
     @property
     def proposer(self) -> Proposer | None:
@@ -281,31 +269,19 @@ class Engine:
         cached for others). Its EngineOutput carries ``prompt_logprobs``. The model must have
         ``forward_paged_hidden`` and ``logits`` (``Runner.supports_prompt_logprobs``).
         """
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
+        params = _sampling_params(sampling_params, SamplingParams())
         if self._id_taken(request_id):
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
-        req = Request(
+        req = new_request(
             request_id,
             prompt_token_ids,
             params,
+            vocab_size=self.vocab_size,
+            max_model_len=self.config.max_model_len,
             cache_salt=cache_salt,
             priority=priority,
             arrival_time=arrival_time,
         )
-        bad = [t for t in req.prompt_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids contains {bad[0]!r}: token ids must be < vocab_size="
-                f"{self.vocab_size}"
-            )
-        max_len = self.config.max_model_len
-        if req.num_prompt_tokens >= max_len:
-            raise ValueError(
-                f"len(prompt_token_ids)={req.num_prompt_tokens} must be < max_model_len="
-                f"{max_len} (room for at least one generated token)"
-            )
         need = self.kv_cache_manager.max_blocks_per_request(
             req.num_prompt_tokens + 1, self.config.max_num_batched_tokens
         )
@@ -485,9 +461,7 @@ class Engine:
         sampling_params: SamplingParams | None,
     ) -> None:
         """fork_request once the parent is found and the child id is known to be free."""
-        params = sampling_params if sampling_params is not None else parent.sampling_params
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
+        params = _sampling_params(sampling_params, parent.sampling_params)
         child, common = fork_child(
             parent,
             child_id,
@@ -525,27 +499,18 @@ class Engine:
         """Runs one scheduler + device step; returns the requests that finished.
 
         With async_scheduling the step just scheduled is left running on device and
-        the previous step's tokens are read instead (stops, outputs, hashing land one
-        call later); otherwise the step's own tokens are read before returning. Then
-        parallel-sampling parents whose prompt was just prefilled get their samples
-        forked, and a parent is returned once, when its last sample finishes.
+        the previous step's tokens are read instead; otherwise the step's own tokens
+        are read before returning. Parallel-sampling parents whose prompt was just
+        prefilled get their samples forked; a parent is returned once, when its last
+        sample finishes. While a constrained request is live every step reads its own
+        tokens (outputs equal the synchronous engine's).
 
-        A step that raises (any exception, KeyboardInterrupt included, from packing
-        the inputs, dispatching the device step, reading its tokens or applying them)
-        is rolled back before the exception propagates: the steps not read yet are
-        dropped, every running request returns to the head of the waiting queue with
-        its tokens so far and recomputes its KV when it resumes (as after a recompute
-        preemption; outputs equal a run without the failure), the blocks those steps
-        were to write lose their prefix-cache hashes (the whole prefix cache is
-        forgotten when the device state was lost), and outputs of requests that had
-        already ended come back from the next step(). A request whose logits are not
-        finite ends with finish_reason "error" (NONFINITE_LOGITS_ERROR); the others
-        continue.
-
-        Structured outputs: while a constrained request is live every step reads its own
-        tokens (a constrained row's mask needs its previous token), so outputs equal the
-        synchronous engine's; a step() that finds an async step in flight then only reads
-        that one.
+        A step that raises (KeyboardInterrupt included) is rolled back before the
+        exception propagates: the steps not read yet are dropped, running requests go
+        back to the waiting queue and recompute their KV (outputs equal a run without the
+        failure), and outputs of requests that had already ended come back from the next
+        step(); a request whose logits are not finite ends with finish_reason "error"
+        (NONFINITE_LOGITS_ERROR). docs/engine.md, "Failures", has the details.
         """
         matchers = self.structured.matchers
         if matchers and self._in_flight is not None:
@@ -764,41 +729,18 @@ class Engine:
         return finished
 
     # ------------------------------------------------------------ helpers
-    def _apply_to_device_state(self, out) -> None:
-        """Mirror a SchedulerOutput into the input batch rows and the KV swap space.
-
-        Order matters: rows of removed requests go first, swap-outs read their blocks
-        before anything can reuse them, and swap-ins fill fresh blocks before the step.
-        """
-        batch = self.input_batch
-        for req_id in out.removed_req_ids:
-            if req_id in batch.row_of:
-                batch.remove_request(req_id)
+    def _apply_to_device_state(self, out: SchedulerOutput) -> None:
+        """Mirrors a schedule into the input batch rows and the KV swap space: swap-outs
+        read their blocks before anything can reuse them, swap-ins fill fresh blocks
+        before the step."""
         for req_id, block_ids in out.swap_out:
             self.runner.swap_out(req_id, block_ids)
+        requests = self.scheduler.requests
         for row in out.new_rows:
-            req = self.scheduler.requests[row.req_id]
-            self.output.record_admission(req, row.num_computed_tokens)
-            params = req.sampling_params
-            batch.add_request(
-                row.req_id,
-                row.token_ids,
-                row.block_ids,
-                params,
-                self._seeds[row.req_id],
-                min_tokens_stop_ids=self._min_tokens_stop_ids(params),
-            )
-        if out.new_block_ids:
-            batch.append_new_block_ids(out.new_block_ids)
-        for req_id, updates in out.replaced_block_ids.items():
-            batch.replace_block_ids(req_id, updates)
+            self.output.record_admission(requests[row.req_id], row.num_computed_tokens)
+        self.input_batch.apply_schedule(out, requests, self._seeds, self.eos_token_ids)
         for req_id, block_ids in out.swap_in:
             self.runner.swap_in(req_id, block_ids)
-
-    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
-        if params.min_tokens == 0:
-            return []
-        return list(dict.fromkeys([*params.stop_token_ids, *self.eos_token_ids]))
 
     # ------------------------------------------------------------ warmup + stats
     @_serialised
@@ -816,14 +758,15 @@ class Engine:
         """
         shapes = self.config.step_shapes()
         steps = [self.input_batch.dummy_step_input(t, s) for t, s in shapes]
-        context = program_context(self._model_identity, self.config, self.runner.num_kv_blocks)
-        cache = ExecutableCache(self._executable_cache_dir, context)
+        cache = engine_cache(
+            self._executable_cache_dir, self._model_identity, self.config, self.runner.num_kv_blocks
+        )
         self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
         if self._lockstep is not None:
             self._lockstep.warmup()
         if self.proposer is not None:
             self.proposer.warmup()
-        self._compiles_after_warmup = self._num_compiles()
+        self._compiles.mark_warmup()
         return len(self.warmup_report.programs)
 
     def _num_compiles(self) -> int:
@@ -842,24 +785,11 @@ class Engine:
 
     @_serialised
     def get_stats(self) -> dict[str, Any]:
-        """Counters since construction and step times since the last reset_step_times().
-
-        Counters: steps, preemptions, prefix-cache hits, KV usage (now and peak,
-        fractions of usable blocks), compiles of the engine's own programs (total and
-        after warm-up; compiles of other code in the process, a user's jnp calls among
-        them, never count), running and waiting requests. Times per step() call that ran or read a device step, in ms:
-        ``step_time_ms`` (median wall time), ``host_time_ms`` (median wall time less
-        the wait for device tokens), ``host_time_min_ms``, ``host_time_total_ms``, and
-        ``host_phase_time_ms``: the median of each of HOST_PHASES (scheduler,
-        input packing, the jitted call's dispatch, reading outputs) in
-        ``phase_clock`` time.
+        """Counters since construction and step times since the last reset_step_times()
+        (the keys: docs/engine.md, "Stats"). Compiles count the engine's own programs
+        only (total and after warm-up); host phases are timed with ``phase_clock``.
         """
         stats = self.kv_cache_manager.prefix_cache_stats
-        compiles = self._num_compiles()
-        total = compiles - self._compiles_at_start
-        after = (
-            None if self._compiles_after_warmup is None else compiles - self._compiles_after_warmup
-        )
         return {
             "num_steps": self._num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -871,8 +801,7 @@ class Engine:
             # Most KV blocks (all groups, nulls excluded) one request held in a decode step.
             "kv_blocks_per_request_peak": self.output.peaks.blocks_per_request,
             "num_kv_blocks": self.runner.num_kv_blocks,
-            "num_compiles": total,
-            "num_compiles_after_warmup": after,
+            **self._compiles.summary(),
             **self.output.times.summary(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

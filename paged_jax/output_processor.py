@@ -103,6 +103,24 @@ class StepTimes:
         }
 
 
+class CompileCounts:
+    """Compiles of the engine's own programs (``count()``: the running total) since
+    construction and since the last warm-up."""
+
+    def __init__(self, count: Callable[[], int]) -> None:
+        self.count = count
+        self.at_start = count()
+        self.after_warmup: int | None = None
+
+    def mark_warmup(self) -> None:
+        self.after_warmup = self.count()
+
+    def summary(self) -> dict[str, int | None]:
+        now = self.count()
+        after = None if self.after_warmup is None else now - self.after_warmup
+        return {"num_compiles": now - self.at_start, "num_compiles_after_warmup": after}
+
+
 class KVPeaks:
     """Peaks of KV use since construction or the last reset: the pool's usage, and the
     most real blocks (all groups, nulls excluded) one request held in a decode step."""

@@ -267,6 +267,47 @@ class Request:
         )
 
 
+def _check_vocab(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"{what} contains {bad[0]!r}: token ids must be < vocab_size={vocab_size}")
+
+
+def new_request(
+    request_id: str,
+    prompt_token_ids: Iterable[int],
+    params: Any,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    cache_salt: str | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
+) -> Request:
+    """A new request checked against the model (what fork_child checks for a fork): its
+    token ids < vocab_size and its prompt < max_model_len, leaving room for at least one
+    generated token.
+
+    Raises:
+        ValueError: those, or a bad field of Request.
+    """
+    req = Request(
+        request_id,
+        prompt_token_ids,
+        params,
+        cache_salt=cache_salt,
+        priority=priority,
+        arrival_time=arrival_time,
+    )
+    _check_vocab(req.prompt_token_ids, vocab_size, "prompt_token_ids")
+    if req.num_prompt_tokens >= max_model_len:
+        raise ValueError(
+            f"len(prompt_token_ids)={req.num_prompt_tokens} must be < max_model_len="
+            f"{max_model_len} (room for at least one generated token)"
+        )
+    return req
+
+
 def fork_child(
     parent: Request,
     child_id: str,
@@ -301,11 +342,7 @@ def fork_child(
         )
         if output_token_ids:
             child.append_output_token_ids(list(output_token_ids))
-    bad = [t for t in child.all_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(
-            f"token id {bad[0]!r} of child {child_id!r} must be < vocab_size={vocab_size}"
-        )
+    _check_vocab(child.all_token_ids, vocab_size, f"child {child_id!r}'s token ids")
     if child.num_tokens > max_model_len:
         raise ValueError(
             f"child {child_id!r} has {child.num_tokens} tokens; must be <= max_model_len="

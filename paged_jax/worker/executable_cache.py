@@ -48,6 +48,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from paged_jax.config import EngineConfig
+from paged_jax.distributed import num_processes
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,20 @@ def model_identity(model: Any) -> dict[str, Any]:
     if isinstance(model, nnx.Module):
         identity["graphdef"] = _digest(_stable_repr(nnx.graphdef(model)))
     return identity
+
+
+def engine_cache(
+    directory: str | os.PathLike | None,
+    model: dict[str, Any],
+    config: EngineConfig,
+    num_kv_blocks: int,
+) -> ExecutableCache:
+    """The cache of one engine's programs, keyed by ``program_context``. Without a
+    directory, or in a job of several processes (each compiles its own part of the job
+    at warm-up, never reloading one from disk), the programs stay in memory."""
+    if num_processes() > 1:
+        directory = None
+    return ExecutableCache(directory, program_context(model, config, num_kv_blocks))
 
 
 def program_context(model: dict[str, Any], config: EngineConfig, num_kv_blocks: int) -> dict:
