@@ -159,3 +159,12 @@ def test_processed_logprobs_refused_with_speculative_decoding(tiny_hf_checkpoint
     with pytest.raises(ValueError, match=r"prompts\[0\]: logprobs_mode='processed_logprobs'"):
         llm.generate(PROMPTS, params, use_tqdm=False)
     assert not llm.engine.has_unfinished()
+
+
+def test_training_helpers_name_bad_input():
+    with pytest.raises(TypeError, match=r"model=int must be an LLM, an nnx.Module or"):
+        model_graphdef(3)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(3,\); expected \[batch, seq\]"):
+        dense_logits(None, None, jnp.asarray([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"mask has shape \(1, 2\); expected input_ids' \(1, 3\)"):
+        sequence_logprobs(None, None, jnp.asarray([[1, 2, 3]]), np.ones((1, 2)))
