@@ -48,7 +48,7 @@ TINY_LLAMA = dict(
     eos_token_id=2,
 )
 TARGET = 7  # the token the reward asks for
-PROMPTS = [[1, 3, 4, 5], [1, 9, 10, 11], [1, 20, 21, 22], [1, 12, 13, 14]]
+ROLLOUT_PROMPTS = [[1, 3, 4, 5], [1, 9, 10, 11], [1, 20, 21, 22], [1, 12, 13, 14]]
 SAMPLES = 8  # n completions per prompt: one GRPO group
 COMPLETION = 8  # tokens per completion (ignore_eos: every sequence has the same length)
 CLIP = 0.2
@@ -69,11 +69,11 @@ def rollouts(llm: LLM, iteration: int):
             ignore_eos=True,
             logprobs=0,
         )
-        for i in range(len(PROMPTS))
+        for i in range(len(ROLLOUT_PROMPTS))
     ]
-    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    outs = llm.generate(ROLLOUT_PROMPTS, params, use_tqdm=False)
     ids, mask, old, rewards = [], [], [], []
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(ROLLOUT_PROMPTS, outs):
         for c in out.outputs:
             tokens = list(c.token_ids)
             ids.append(prompt + tokens)
@@ -89,7 +89,7 @@ def rollouts(llm: LLM, iteration: int):
 
 
 def group_advantages(rewards: np.ndarray) -> np.ndarray:
-    groups = rewards.reshape(len(PROMPTS), SAMPLES)
+    groups = rewards.reshape(len(ROLLOUT_PROMPTS), SAMPLES)
     adv = (groups - groups.mean(1, keepdims=True)) / (groups.std(1, keepdims=True) + 1e-4)
     return adv.reshape(-1)
 
@@ -104,7 +104,7 @@ def main() -> int:
     llm = LLM(
         model,
         block_size=4,
-        max_num_seqs=SAMPLES * len(PROMPTS),
+        max_num_seqs=SAMPLES * len(ROLLOUT_PROMPTS),
         max_num_batched_tokens=64,
         max_model_len=32,
     )
