@@ -93,24 +93,19 @@ class Engine:
         config: engine settings; max_model_len None takes the model's.
         detokenize: optional token ids -> text function, needed for stop strings.
         owns_model: hand the model over: the runner frees its per-layer weights once it
-            has stacked them for the scan over layers (EngineConfig.scan_layers), so they
-            are not held twice; the model's layers cannot run afterwards. LLM passes True
-            for the models it loads itself.
+            has stacked them (EngineConfig.scan_layers); the model's layers cannot run
+            afterwards. LLM passes True for the models it loads itself.
         executable_cache_dir: where warmup() saves its compiled programs and a later
-            engine with the same key loads them (paged_jax.worker.executable_cache);
-            None keeps them in memory. LLM passes <compile cache dir>/executables.
+            engine with the same key loads them; None keeps them in memory.
         tokenizer: the checkpoint's ``tokenizers.Tokenizer`` (or its tokenizer.json path),
-            needed for requests with ``SamplingParams.structured_outputs``: their grammars
-            compile against its vocabulary (one ``GrammarCompiler``, built on the first
-            such request). LLM passes its own.
+            needed for requests with ``SamplingParams.structured_outputs`` (their grammars
+            compile against its vocabulary).
 
     Attributes:
         warmup_report: what warmup() built (programs compiled or loaded, seconds per
             phase; a ``WarmupReport``), None before it.
-        phase_clock: the clock (seconds) the host phases of ``get_stats()
-            ["host_phase_time_ms"]`` are timed with; ``time.perf_counter`` (wall) by
-            default. A benchmark on a shared machine sets ``time.thread_time`` to count
-            only the engine thread's CPU time.
+        phase_clock: the clock (seconds) of ``get_stats()["host_phase_time_ms"]``;
+            ``time.perf_counter`` by default (``time.thread_time``: the thread's CPU).
         scheduler, kv_cache_manager, input_batch, runner: the core's parts.
         output: the OutputProcessor (per-request output state, step metrics).
         parallel_sampling, structured, speculator: the feature components (the last
@@ -211,8 +206,7 @@ class Engine:
                 self.runner,
             )
         self._in_flight: InFlightStep | None = None
-        # Outputs of requests that ended in a step() that then raised: the next step()
-        # returns them.
+        # Outputs of requests that ended in a step() that then raised: the next returns them.
         self._undelivered: list[EngineOutput] = []
         self._synchronous = False
         self._num_steps = 0
@@ -257,17 +251,13 @@ class Engine:
     ) -> None:
         """Validates and queues one request; raises ValueError (and adds nothing) on bad input.
 
-        With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its
-        prompt is prefilled once, its n samples (ids ``f"{request_id}_{j}"``) are forked
-        from that prefill inside ``step()``, and it finishes as one EngineOutput whose
-        ``samples`` hold theirs in index order. Sample j has seed ``(seed + j) % 2**32``
-        when ``seed`` is set.
+        With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its n
+        samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
+        one prefill; it finishes as one EngineOutput, ``samples`` in index order.
 
         With ``sampling_params.prompt_logprobs`` every prompt position runs through the
-        model: the request never starts from cached blocks
-        (``Request.skip_reading_prefix_cache``, as vLLM does; its own full blocks are
-        cached for others). Its EngineOutput carries ``prompt_logprobs``. The model must have
-        ``forward_paged_hidden`` and ``logits`` (``Runner.supports_prompt_logprobs``).
+        model (never from cached blocks) and the EngineOutput carries ``prompt_logprobs``;
+        the model needs ``forward_paged_hidden`` and ``logits``.
         """
         params = _sampling_params(sampling_params, SamplingParams())
         if self._id_taken(request_id):
@@ -320,14 +310,10 @@ class Engine:
     ) -> None:
         """Starts ``child_id`` as a running request sharing ``parent_id``'s KV blocks.
 
-        Call between steps. The child joins the batch at the next step with the
-        tokens it shares with the parent already computed; the first write into a
-        block the two still share is copied on write inside that step. The child's
-        tokens are the parent's prompt and outputs unless given; the shared tokens
-        (at most the parent's computed ones, and only a common prefix) are not
-        recomputed. A different prompt (for example the full prompt when the parent
-        prefilled all but its last token) makes the child a new request whose
-        outputs start empty.
+        Call between steps. The child joins the batch at the next step with the tokens
+        it shares with the parent (at most the parent's computed ones, a common prefix)
+        already computed; a block the two still share is copied on its first write. A
+        different prompt makes the child a new request whose outputs start empty.
 
         Args:
             parent_id: a running request.
@@ -427,10 +413,9 @@ class Engine:
         owns_prompt: bool = False,
         matcher: Any = None,
     ) -> None:
-        """Starts a live request's state: its grammar (``matcher`` or a new one at the
-        start, for a constrained request), its seed, its output state (``prompt``
-        collects the prompt logprobs it computes; its own output reports them when
-        ``owns_prompt``)."""
+        """Starts a live request's state: its grammar (``matcher`` or a new one), its
+        seed, its output state (``prompt`` collects its prompt logprobs; reported by its
+        own output when ``owns_prompt``)."""
         if params.structured_outputs is not None:
             self.structured.add_request(request_id, params, self.eos_token_ids, matcher)
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
@@ -634,9 +619,7 @@ class Engine:
             rid = req.request_id
             if req.is_finished() and rid in self._seeds and live.get(rid) is not req:
                 finished.append(self._finish(req))
-        batch = self.input_batch
-        for rid in list(batch.row_of):  # nothing runs now: every row goes
-            batch.remove_request(rid)
+        self.input_batch.remove_all()
         kv = self.kv_cache_manager
         if self.runner.replace_lost_device_state():
             reset = kv.reset_prefix_cache()
@@ -646,14 +629,11 @@ class Engine:
         self._undelivered.extend(finished)
 
     def _process_outputs(self, step: InFlightStep, result: Any) -> list[EngineOutput]:
-        """Applies one finished device step's tokens; stops; returns the finished requests.
+        """Applies one finished device step's tokens; returns the finished requests.
 
-        The order: prompt logprobs filed; sampled (or emitted) tokens read, their
-        logprobs and first-token times recorded (the output processor; the speculator
-        reads emitted tokens); speculative stop strings cut the emitted lists; grammars
-        accept; the scheduler appends the tokens and checks token stops; then stops by
-        string, errors (non-finite logits, a refused token) and grammar ends; the input
-        batch gets the tokens; finished requests go out.
+        The order: prompt logprobs; tokens read (and speculative stop strings cut);
+        grammars accept; the scheduler appends and checks token stops; then string stops,
+        errors and grammar ends; the input batch gets the tokens.
         """
         output = self.output
         if step.prompt:  # before a request that finishes in this step reports them
@@ -706,24 +686,12 @@ class Engine:
                 end(req, stopped)
                 live.pop(req_id, None)
         batch = self.input_batch
-        row_of = batch.row_of
-        if spec:
-            for req_id, tokens in live.items():
-                if req_id in row_of:
-                    batch.append_token_ids(req_id, tokens)
-            live = {}
-        rows = list(map(row_of.get, live))
-        tokens = list(live.values())
-        if None in rows:  # a request preempted meanwhile has no row
-            keep = [i for i, row in enumerate(rows) if row is not None]
-            rows = [rows[i] for i in keep]
-            tokens = [tokens[i] for i in keep]
-        for req in output.string_stops(live, requests):
+        batch.append_step_tokens(live, emitted=spec)
+        for req in output.string_stops(() if spec else live, requests):
             end(req, stopped)
-        batch.append_sampled(rows, tokens)
         finished = []
         for req in done:
-            if req.request_id in row_of:
+            if req.request_id in batch.row_of:
                 batch.remove_request(req.request_id)
             finished.append(self._finish(req))
         return finished
@@ -747,11 +715,9 @@ class Engine:
     def warmup(self, on_program: Callable[[int, int, str, str], None] | None = None) -> int:
         """Builds every step program serving can call; returns how many it built.
 
-        One program per token bucket (EngineConfig.step_shapes), a decode-only one for
-        each bucket decode steps reach, and the block copy: each loaded
-        from the executable cache when it holds it, else compiled (and saved there).
-        Afterwards no step compiles. ``warmup_report`` says what was done and how long
-        each phase took.
+        Each program (docs/engine.md, "Buckets, programs and warm-up") is loaded from the
+        executable cache when it holds it, else compiled (and saved there). Afterwards no
+        step compiles; ``warmup_report`` says what was done and how long it took.
 
         on_program: optional progress callback (i, num_programs, name, action), action
             "loading" or "compiling".

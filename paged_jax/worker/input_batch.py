@@ -220,6 +220,29 @@ class InputBatch:
         """Points table slots at their copy-on-write copies: (group, index, new block id)."""
         self.block_table.replace(self.row_of[req_id], updates)
 
+    def append_step_tokens(self, tokens: Mapping[str, Any], *, emitted: bool = False) -> None:
+        """Appends a step's tokens to their requests' rows (a request preempted meanwhile
+        has none): one sampled token each, or with ``emitted`` a list each (the tokens a
+        speculative step emitted)."""
+        row_of = self.row_of
+        if emitted:
+            for req_id, token_ids in tokens.items():
+                if req_id in row_of:
+                    self.append_token_ids(req_id, token_ids)
+            return
+        rows = list(map(row_of.get, tokens))
+        values = list(tokens.values())
+        if None in rows:
+            keep = [i for i, row in enumerate(rows) if row is not None]
+            rows = [rows[i] for i in keep]
+            values = [values[i] for i in keep]
+        self.append_sampled(rows, values)
+
+    def remove_all(self) -> None:
+        """Frees every row (nothing runs now)."""
+        for req_id in list(self.row_of):
+            self.remove_request(req_id)
+
     def append_sampled(self, rows: Sequence[int], token_ids: Sequence[int]) -> None:
         """Append one sampled token to each given row (one vectorised write per step)."""
         if not rows:
