@@ -239,6 +239,24 @@ class EngineConfig:
             fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.coerce(spec))
 
+    def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
+        """This config as an engine over a model with ``max_position_embeddings`` runs it:
+        max_model_len None becomes the model's limit (a larger one is a ValueError), and
+        speculative decoding runs its steps synchronously (its proposals for step t + 1
+        need step t's tokens on the host; async_scheduling=True gives the same outputs)."""
+        limit = int(max_position_embeddings)
+        config = self
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=limit)
+        elif config.max_model_len > limit:
+            raise ValueError(
+                f"EngineConfig.max_model_len={config.max_model_len!r} must be <= the model's "
+                f"max_position_embeddings={limit}"
+            )
+        if config.speculative_config is not None and config.async_scheduling:
+            config = dataclasses.replace(config, async_scheduling=False)
+        return config
+
     @property
     def num_speculative_tokens(self) -> int:
         """k, the drafts a step verifies per sequence (0: no speculative decoding)."""

@@ -12,7 +12,6 @@ place each (docs/engine.md, docs/architecture.md).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import os
 import threading
@@ -46,7 +45,7 @@ from paged_jax.spec_decode.speculator import Speculator
 from paged_jax.structured_outputs import StructuredOutputs
 from paged_jax.worker.executable_cache import WarmupReport, engine_cache, model_identity
 from paged_jax.worker.input_batch import InputBatch
-from paged_jax.worker.runner import PendingStep, Runner
+from paged_jax.worker.runner import Runner
 
 __all__ = ["HOST_PHASES", "NONFINITE_LOGITS_ERROR", "Engine", "EngineOutput", "InFlightStep"]
 
@@ -67,21 +66,6 @@ def _sampling_params(value: Any, default: SamplingParams) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params={params!r} must be a SamplingParams")
     return params
-
-
-def in_flight_step(
-    out: SchedulerOutput,
-    live: dict[str, Request],
-    pending: PendingStep,
-    cached: list[KVCacheBlock],
-    prompt: list[tuple[PromptLogprobs, range]] | None,
-) -> InFlightStep:
-    """The InFlightStep of a step just dispatched (its requests by position in
-    out.scheduled)."""
-    requests = out.scheduled_requests
-    if len(requests) != len(out.scheduled):  # an output built by hand
-        requests = [live[seq.req_id] for seq in out.scheduled]
-    return InFlightStep(out, requests, pending, cached, prompt or [])
 
 
 class Engine:
@@ -128,19 +112,8 @@ class Engine:
         check_paged_model(model)
         config = config or EngineConfig()
         mcfg = model.config
-        limit = int(mcfg.max_position_embeddings)
-        if config.max_model_len is None:
-            config = dataclasses.replace(config, max_model_len=limit)
-        elif config.max_model_len > limit:
-            raise ValueError(
-                f"EngineConfig.max_model_len={config.max_model_len!r} must be <= the model's "
-                f"max_position_embeddings={limit}"
-            )
-        # Speculative decoding: proposals for step t + 1 need step t's tokens on the host,
-        # so steps run synchronously (async_scheduling=True gives the same outputs).
         self.async_scheduling_requested = config.async_scheduling
-        if config.speculative_config is not None and config.async_scheduling:
-            config = dataclasses.replace(config, async_scheduling=False)
+        config = config.fitted_to(mcfg.max_position_embeddings)
         self.config = config
         self.model_config = mcfg
         self.vocab_size = int(mcfg.vocab_size)
@@ -543,7 +516,7 @@ class Engine:
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                launched = in_flight_step(out, sched.requests, pending, cached, prompt)
+                launched = InFlightStep.launched(out, sched.requests, pending, cached, prompt)
                 self._num_steps += 1
             ready = launched
             if self.config.async_scheduling and not self._synchronous and not matchers:
