@@ -516,7 +516,10 @@ class Engine:
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                launched = InFlightStep.launched(out, sched.requests, pending, cached, prompt)
+                requests = out.scheduled_requests
+                if len(requests) != len(out.scheduled):  # an output built by hand
+                    requests = [sched.requests[seq.req_id] for seq in out.scheduled]
+                launched = InFlightStep(out, requests, pending, cached, prompt or [])
                 self._num_steps += 1
             ready = launched
             if self.config.async_scheduling and not self._synchronous and not matchers:

@@ -61,19 +61,3 @@ class InFlightStep:
     pending: PendingStep
     cached: list[KVCacheBlock] = dataclasses.field(default_factory=list)
     prompt: list[tuple[PromptLogprobs, range]] = dataclasses.field(default_factory=list)
-
-    @classmethod
-    def launched(
-        cls,
-        out: SchedulerOutput,
-        live: dict[str, Request],
-        pending: PendingStep,
-        cached: list[KVCacheBlock],
-        prompt: list[tuple[PromptLogprobs, range]] | None,
-    ) -> InFlightStep:
-        """The InFlightStep of a step just dispatched (its requests by position in
-        out.scheduled; looked up in ``live`` for an output built by hand)."""
-        requests = out.scheduled_requests
-        if len(requests) != len(out.scheduled):
-            requests = [live[seq.req_id] for seq in out.scheduled]
-        return cls(out, requests, pending, cached, prompt or [])
