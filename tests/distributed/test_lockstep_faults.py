@@ -113,17 +113,27 @@ def test_a_peer_that_never_starts_ends_process_0_in_one_line_and_ctrl_c_works(mo
     assert "Check failure" not in log_c.read_text()
 
 
+# Seconds both processes serve before process 1 is killed (their steps' collectives
+# connected; --max-tokens 200 keeps them far from done).
+SERVING_S = 2.0
+
+
 def test_a_killed_peer_leaves_the_survivor_exit_1_with_error_records(model_dir, tmp_path):
     port = _free_port()
     extra = ("--max-tokens", "200")  # far from done at the kill (max_model_len is 256)
     p0, log0 = _start(model_dir, tmp_path, 0, port, *extra)
     p1, log1 = _start(model_dir, tmp_path, 1, port, *extra)
+    # Kill process 1 once both processes are serving: a peer that dies while the other is
+    # still warming up (or before their collectives have connected) is noticed only by
+    # jax's heartbeat, which aborts the survivor (docs/scale_out.md); that race made this
+    # test fail on a loaded machine when only process 1's warm-up was awaited.
     deadline = time.monotonic() + RUN_GUARD_S
-    while "warm-up done" not in log1.read_text():
-        if p1.poll() is not None or time.monotonic() > deadline:
+    while not all("warm-up done" in log.read_text() for log in (log0, log1)):
+        if p0.poll() is not None or p1.poll() is not None or time.monotonic() > deadline:
             _wait([p0, p1], 1)
-            pytest.fail("process 1 never finished warm-up:\n" + log1.read_text()[-3000:])
+            pytest.fail("a process never finished warm-up:\n" + log0.read_text()[-3000:])
         time.sleep(0.1)
+    time.sleep(SERVING_S)
     p1.kill()
     assert _wait([p0], RUN_GUARD_S) == [1], log0.read_text()[-3000:]
     text = log0.read_text()
