@@ -19,12 +19,15 @@ fi
 # CPU only: this venv may also hold the CUDA plugin of scripts/gpu_compile_check.sh, which
 # without a GPU would print a cuDNN traceback at jax's first use and then fall back anyway.
 export JAX_PLATFORMS=cpu
-# The folders whose code calls jax (kernels, models, the worker, the engine): the host-only
-# tests (tests/core) and the API tests (tests/llm, mostly torch-based) do not depend on
-# the jax version, and the default-Python suite runs them.
+# The folders whose code calls jax (kernels, models, the worker) and the engine's step
+# programs and decode path: the host-only tests (tests/core), the engine's scheduling tests
+# on SumModel (tests/engine: host logic around the same jitted step the worker tests
+# cover) and the API tests (tests/llm, mostly torch-based) do not depend on the jax
+# version, and the default-Python suite runs them (CI's 35-minute budget).
 # The shared XLA compilation cache of tests/conftest.py keeps this venv's entries in their
 # own folder (its name carries the Python, jax and jaxlib versions).
 export PAGED_JAX_TEST_CPU_DURATIONS="${PAGED_JAX_TEST_CPU_DURATIONS:-20}"
 exec .venv312/bin/python -m pytest -q -p no:cacheprovider \
   -n "${PAGED_JAX_TEST_WORKERS:-2}" --dist loadscope --durations=20 \
-  tests/pallas_kernels tests/worker tests/engine tests/models "$@"
+  tests/pallas_kernels tests/worker tests/models \
+  tests/engine/test_step_programs.py tests/engine/test_decode_path_and_validate.py "$@"
