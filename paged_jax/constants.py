@@ -50,6 +50,18 @@ PROMPT_BYTES_PER_TOKEN = 128
 # ids the host copies anyway, and the runner turns it into StepResult.nonfinite.
 NONFINITE_TOKEN_ID = -1
 
+# A warm-up's seconds per phase (WarmupReport's fields, summed over its programs) -> the
+# key a run summary gives them under; "warmup_other_s" is the rest of warm-up's time.
+WARMUP_SUMMARY_KEYS = {
+    "trace_s": "warmup_trace_s",
+    "lower_s": "warmup_lower_s",
+    "compile_s": "warmup_compile_s",
+    "load_s": "warmup_cache_load_s",
+    "save_s": "warmup_cache_save_s",
+    "run_s": "warmup_run_s",
+}
+WARMUP_OTHER_KEY = "warmup_other_s"
+
 
 def is_int(x: object) -> bool:
     """True for an int that is not a bool (``True`` is not a block size)."""

@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from paged_jax.constants import WARMUP_OTHER_KEY, WARMUP_SUMMARY_KEYS
 from paged_jax.entrypoints.records import NOT_SERVED, request_record
 from paged_jax.entrypoints.replica import (
     CRASH_HOOK_ENV,
@@ -406,18 +407,8 @@ def _summary(plan, args, results, records, replicas, duplicates) -> dict[str, An
     }
 
 
-# Start-up figures that are seconds: the summary gives the largest over the replicas.
-_STARTUP_SECONDS = (
-    "load_s",
-    "warmup_s",
-    "warmup_trace_s",
-    "warmup_lower_s",
-    "warmup_compile_s",
-    "warmup_cache_load_s",
-    "warmup_cache_save_s",
-    "warmup_run_s",
-    "warmup_other_s",
-)
+# Warm-up's seconds per phase: the summary gives the largest over the replicas.
+_WARMUP_SECONDS = (*WARMUP_SUMMARY_KEYS.values(), WARMUP_OTHER_KEY)
 # Each replica's own line in the summary's "replicas" list.
 _PER_REPLICA_KEYS = (
     "name",
@@ -484,7 +475,7 @@ def merge_replica_figures(each: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "programs": most("programs"),
         "programs_compiled": total("programs_compiled"),
         "programs_loaded": total("programs_loaded"),
-        **{k: round(most(k), 3) for k in _STARTUP_SECONDS[2:]},
+        **{k: round(most(k), 3) for k in _WARMUP_SECONDS},
         "executable_cache_problems": total("executable_cache_problems"),
         "warmup_compiles": most("warmup_compiles"),
         "compiles_after_warmup": total("compiles_after_warmup"),

@@ -48,6 +48,7 @@ import jax
 from jax.experimental import serialize_executable
 
 from paged_jax.config import EngineConfig
+from paged_jax.constants import WARMUP_OTHER_KEY, WARMUP_SUMMARY_KEYS
 from paged_jax.distributed import num_processes
 
 logger = logging.getLogger(__name__)
@@ -330,21 +331,13 @@ class WarmupReport:
     def summary(self) -> dict[str, Any]:
         """Flat, JSON-ready figures (seconds rounded to ms) for a run summary."""
         phases = self.phase_seconds()
-        names = {
-            "trace_s": "warmup_trace_s",
-            "lower_s": "warmup_lower_s",
-            "compile_s": "warmup_compile_s",
-            "load_s": "warmup_cache_load_s",
-            "save_s": "warmup_cache_save_s",
-            "run_s": "warmup_run_s",
-        }
         return {
             "start": self.start,
             "programs": len(self.programs),
             "programs_compiled": self.num_compiled,
             "programs_loaded": self.num_loaded,
-            **{names[k]: round(v, 3) for k, v in phases.items()},
-            "warmup_other_s": round(self.other_s, 3),
+            **{WARMUP_SUMMARY_KEYS[k]: round(v, 3) for k, v in phases.items()},
+            WARMUP_OTHER_KEY: round(self.other_s, 3),
             "executable_cache_problems": len(self.problems),
         }
 
