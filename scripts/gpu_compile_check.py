@@ -48,6 +48,7 @@ wheels; scripts/gpu_compile_check.sh installs either) and JAX_PLATFORMS=cpu, so 
 client is ever created. The report's header and every row name the toolchain.
 
     python scripts/gpu_compile_check.py --grid ci
+    python scripts/gpu_compile_check.py --grid smoke     # CI's cuda12 grid: 7 of ci's cases
     python scripts/gpu_compile_check.py --grid full      # writes docs/gpu_compile_h200.json
                                                          # (CUDA 13: ..._cuda13.json)
     python scripts/gpu_compile_check.py --toolchains A.json B.json   # side by side
@@ -408,7 +409,31 @@ def grid_ci() -> list[Case]:
     return cases + llama + moe_steps()[:1] + mosaic_cases()[:1] + probes()
 
 
-GRIDS = {"ci": grid_ci, "full": grid_full}
+# --grid smoke: the second toolchain's CI grid, a few of --grid ci's cases (CI's 35-minute
+# budget; the GPU machine's toolchain, CUDA 13, compiles --grid ci whole). One case of each
+# kernel at the Llama-3-8B heads, the fp8 ragged mix, the Llama-3-8B mixed step at full depth
+# (32 scanned layers: ragged attention and write_kv inside one jitted step, the KV pool
+# aliased, temporaries under 5% of the deployment's pool) and the oversized probe. Under
+# the same venv the newest-jax test stage also compiles tests/pallas_kernels/
+# test_gpu_compile_check.py's toolchain cases (head_dim 64 and 80 decode, copy_blocks, the
+# Mosaic decode, the tiny MoE step).
+SMOKE_CASES = (
+    "decode-bf16-d128-g4-bs16-b64x8k",
+    "ragged-bf16-d128-g4-bs16-b64x4k-pf256+194",
+    "ragged-e4m3-d128-g4-bs16-b64x4k-pf256+194",
+    "write_kv-bf16-d128-g4-bs16-n512",
+    "copy_blocks-bf16-d128-g4-bs16-n64",
+    "step-llama8b-32l-mixed-t512-s64",
+    "probe-decode-f32-d256-g4-bs16-b8x32k-bk1024",
+)
+
+
+def grid_smoke() -> list[Case]:
+    """SMOKE_CASES, taken from --grid ci in its order."""
+    return [c for c in grid_ci() if c.name in SMOKE_CASES]
+
+
+GRIDS = {"ci": grid_ci, "full": grid_full, "smoke": grid_smoke}
 
 
 # ------------------------------------------------------------------------ failure rule

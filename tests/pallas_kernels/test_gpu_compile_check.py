@@ -103,6 +103,17 @@ def test_ci_grid_is_a_subset_of_the_full_grid():
         assert any(c.kernel == kernel and c.dtype.startswith("float8") for c in ci), kernel
 
 
+def test_smoke_grid_is_ci_cases_of_every_kernel_and_a_step():
+    ci = {c.name: c for c in gcc.grid_ci()}
+    smoke = gcc.grid_smoke()
+    assert [c.name for c in smoke] == list(gcc.SMOKE_CASES), "every SMOKE_CASES name is in ci"
+    assert all(ci[c.name] == c for c in smoke)
+    kernels = {c.kernel for c in smoke}
+    assert {"decode", "ragged", "write_kv", "copy_blocks", "step"} <= kernels
+    assert any(c.dtype.startswith("float8") for c in smoke)
+    assert any(c.name.startswith("probe-") for c in smoke), "the expected-failure rule is run"
+
+
 def _row(**kw):
     case = gcc.Case("synthetic", "decode", dtype=kw.pop("dtype", "bfloat16"))
     row = gcc.base_row(case, "paged_decode_attention")
