@@ -5,8 +5,9 @@
   covered by test_multiprocess_cli: process 0's job sizes every engine);
 - a peer that never starts: process 0 gives up after --distributed-init-timeout with one
   line, and Ctrl-C ends the wait (jax's join blocks in C++, deaf to it);
-- a peer killed mid-run: the survivor writes its error records and a valid output file
-  and exits 1 (it died by SIGABRT in jax's shutdown barrier).
+- a peer killed mid-run (one device per process): the survivor keeps its finished
+  record, writes error records for the rest and a valid output file, and exits 1 (it
+  died by SIGABRT in jax's shutdown barrier).
 
 Every process runs as a subprocess; each wait has a generous hang guard (a lost peer
 would block CI), and no test asserts how long anything took.
@@ -39,8 +40,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None):
-    """Starts one process of a 2-process CLI job (2 forced CPU devices, TP=4); its log path.
+def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None, devices=2):
+    """Starts one process of a 2-process CLI job (`devices` forced CPU devices each, TP over
+    all of them); its log path.
 
     `lines`: the prompts file's lines (default: LINES as plain text).
     """
@@ -50,9 +52,10 @@ def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None):
     cmd = [sys.executable, "-m", "paged_jax.entrypoints.generate_cli", "--model", str(model_dir)]
     cmd += ["--prompts", str(prompts), "--output", str(tmp / f"{name}.jsonl"), "--no-tqdm"]
     cmd += ["--no-compile-cache", "--temperature", "0", "--ignore-eos"]
-    cmd += ["--tensor-parallel-size", "4", "--coordinator-address", f"127.0.0.1:{port}"]
+    cmd += ["--tensor-parallel-size", str(2 * devices)]
+    cmd += ["--coordinator-address", f"127.0.0.1:{port}"]
     cmd += ["--num-processes", "2", "--process-id", str(rank), *extra]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     log = tmp / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -123,13 +126,13 @@ def test_a_killed_peer_leaves_the_survivor_exit_1_with_error_records(model_dir, 
     lines = [json.dumps({"prompt": LINES[0], "max_tokens": 2})]
     lines += [json.dumps({"prompt": text}) for text in LINES[1:]]
     extra = ("--max-tokens", "200")
-    p0, log0 = _start(model_dir, tmp_path, 0, port, *extra, lines=lines)
-    p1, log1 = _start(model_dir, tmp_path, 1, port, *extra, lines=lines)
+    p0, log0 = _start(model_dir, tmp_path, 0, port, *extra, lines=lines, devices=1)
+    p1, log1 = _start(model_dir, tmp_path, 1, port, *extra, lines=lines, devices=1)
     # Kill process 1 once process 0 has written line 1's finished record: both processes
-    # have then run generation steps together (their collectives connected and used). A
-    # peer that dies while the other is still warming up, or before a collective first
-    # connects, is noticed only by jax's heartbeat, which aborts the survivor
-    # (docs/scale_out.md); killing 2 s after both warm-ups raced that on a loaded machine.
+    # have then run generation steps together. One device per process: with two, one
+    # local device's collective fails and the other waits on its in-process partner, so
+    # only jax's heartbeat notices and aborts the survivor (docs/scale_out.md; it did in
+    # 3 of 10 runs on a loaded machine). A peer dying during warm-up is heartbeat-only too.
     partial = tmp_path / "p0.jsonl.partial"
     deadline = time.monotonic() + RUN_GUARD_S
     while not (partial.exists() and partial.read_text().count("\n") >= 1):
