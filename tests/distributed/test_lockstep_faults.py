@@ -132,7 +132,7 @@ def test_a_killed_peer_leaves_the_survivor_exit_1_with_error_records(model_dir, 
     # have then run generation steps together. One device per process: with two, one
     # local device's collective fails and the other waits on its in-process partner, so
     # only jax's heartbeat notices and aborts the survivor (docs/scale_out.md; it did in
-    # 3 of 10 runs on a loaded machine). A peer dying during warm-up is heartbeat-only too.
+    # 5 of 10 runs on a loaded machine). A peer dying during warm-up is heartbeat-only too.
     partial = tmp_path / "p0.jsonl.partial"
     deadline = time.monotonic() + RUN_GUARD_S
     while not (partial.exists() and partial.read_text().count("\n") >= 1):
