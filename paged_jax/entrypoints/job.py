@@ -50,7 +50,6 @@ def make_requests(
     tokenizer: Any,
     chat_template: ChatTemplate | None,
     max_model_len: int,
-    base_error: str | None = None,
 ) -> list[JobRequest]:
     """The servable lines as requests; every other line gets its `.error` set.
 
@@ -63,9 +62,6 @@ def make_requests(
         tokenizer: a ``tokenizers.Tokenizer``, or None (text lines are then errors).
         chat_template: the template for "messages" lines, or None (they are errors).
         max_model_len: the run's context length; longer text is refused untokenized.
-        base_error: why the run's constraint flag (--json-schema, --regex, --choice)
-            is unusable, or None: the error of every line without a "structured_outputs"
-            of its own (a line's own constraint wins over the flag).
     """
     longest = max_model_len * PROMPT_BYTES_PER_TOKEN
     requests = []
@@ -73,8 +69,6 @@ def make_requests(
         if line.error:
             continue
         try:
-            if base_error is not None and "structured_outputs" not in line.overrides:
-                raise ValueError(base_error)
             params = params_for(base, line)
             if line.kind == "prompt_token_ids":
                 prompt: dict[str, Any] = {"prompt_token_ids": list(line.value)}
