@@ -64,7 +64,12 @@ def _log(tmp: pathlib.Path, mode: str, rank: int) -> str:
     return (tmp / f"{mode}_{rank}.log").read_text()[-3000:]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+# One family: Qwen2 takes Llama's path through the two processes (the same layers, split
+# the same way) and adds the q/k/v biases split with their columns. Llama across two
+# processes is test_multiprocess_cli.py's two-process CLI run (its records equal the
+# one-process run's) and this file's desync and dead-process tests; Llama under TP against
+# transformers is tests/worker/test_tensor_parallel.py's (one process, forced devices).
+@pytest.mark.parametrize("family", ["qwen2"])
 def test_two_processes_tp4_equal_one_process_and_transformers(
     tiny_hf_checkpoint, hf_greedy, tmp_path, family
 ):
