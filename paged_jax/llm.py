@@ -235,6 +235,7 @@ class LLM:
         # so no stale copy stays on the device; a model passed in is left as it was.
         self._owns_model = isinstance(model, (str, pathlib.Path))
         if warmup:
+            self._warm_up_live_weights()
             self.engine.warmup()
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -804,6 +805,14 @@ class LLM:
     def is_sleeping(self) -> bool:
         """Whether sleep() was called without a wake_up() since."""
         return self._live is not None and self._live.asleep is not None
+
+    def _warm_up_live_weights(self) -> None:
+        """Compiles a scanned engine's unstack / restack programs with the step programs
+        (before them, so they count as warm-up's): get_weights, update_weights,
+        load_weights, sleep and wake_up then compile nothing."""
+        runner = self.engine.runner
+        if runner.layer_scan is not None and runner.canonical_treedef is not None:
+            self._live_weights().warmup()
 
     def _live_weights(self) -> Any:
         if self._live is None:

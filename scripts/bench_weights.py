@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import statistics
+import sys
 import time
 
 # A Llama of about 83M parameters (hidden 512, 16 layers, a 32k vocabulary, untied).
@@ -28,18 +30,28 @@ SMALL_LLAMA = dict(
 )
 
 
-def _median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _spread(times: list[float]) -> dict:
+    """Median, quartiles and extremes of a list of seconds."""
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return {"median_s": median, "q1_s": q1, "q3_s": q3, "min_s": min(times), "max_s": max(times)}
+
+
+def _side_by_side(fns: dict, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Each repeat calls every fn once, in an order that alternates between repeats, so
+    the sides share the machine's load; wall and process CPU seconds of every call."""
+    out = {name: {"wall": [], "cpu": []} for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            c0, t0 = time.process_time(), time.perf_counter()
+            fns[name]()
+            out[name]["wall"].append(time.perf_counter() - t0)
+            out[name]["cpu"].append(time.process_time() - c0)
+    return out
 
 
 def run(repeats: int, num_layers: int) -> dict:
     import jax
-    import numpy as np
 
     from paged_jax import LLM
     from paged_jax.models.random_init import random_model
@@ -62,55 +74,81 @@ def run(repeats: int, num_layers: int) -> dict:
     compiles = llm.get_stats()["num_compiles"]
 
     before = live_bytes()
-    device_s = _median_s(lambda: llm.update_weights(weights), repeats)
+    device = _side_by_side({"device": lambda: llm.update_weights(weights)}, repeats)["device"]
     device_delta = live_bytes() - before
 
     host = jax.device_get(weights)  # numpy copies, the same structure
     host_leaves = jax.tree.leaves(host)
 
-    def from_host() -> None:
+    def from_host() -> None:  # until the served arrays are ready, as one_put below
         llm.update_weights(host)
-        jax.block_until_ready(jax.tree.leaves(llm.engine.runner.weights))
+        jax.block_until_ready(llm.engine.runner.weights)
 
     def one_put() -> None:
         jax.block_until_ready(jax.device_put(host_leaves))
 
-    put_s = _median_s(one_put, repeats)
-    host_s = _median_s(from_host, repeats)
+    from_host()  # a first call of each (allocator, caches) is not timed
+    one_put()
+    timed = _side_by_side({"from_host": from_host, "one_put": one_put}, repeats)
     assert llm.get_stats()["num_compiles"] == compiles, "update_weights compiled a program"
-    del np
+    pairs = {
+        clock: sorted(h / p for h, p in zip(timed["from_host"][clock], timed["one_put"][clock]))
+        for clock in ("wall", "cpu")
+    }
     return {
         "model": {**config, "num_params": int(num_params), "weight_bytes": int(weight_bytes)},
         "backend": jax.default_backend(),
         "device": jax.devices()[0].device_kind,
         "host": platform.processor() or platform.machine(),
+        "load_average": list(os.getloadavg()),
         "repeats": repeats,
         "update_from_device_arrays": {
-            "median_s": device_s,
+            **_spread(device["wall"]),
             "live_bytes_delta": int(device_delta),
             "note": "the served arrays themselves: used as they are, no copy",
         },
-        "update_from_host_arrays": {"median_s": host_s},
-        "one_device_put_of_the_same_bytes": {"median_s": put_s},
-        "host_over_device_put": host_s / put_s,
+        "update_from_host_arrays": {
+            "wall": _spread(timed["from_host"]["wall"]),
+            "cpu": _spread(timed["from_host"]["cpu"]),
+        },
+        "one_device_put_of_the_same_bytes": {
+            "wall": _spread(timed["one_put"]["wall"]),
+            "cpu": _spread(timed["one_put"]["cpu"]),
+        },
+        "host_over_device_put": {
+            "median_of_pair_ratios_wall": statistics.median(pairs["wall"]),
+            "pair_ratio_quartiles_wall": statistics.quantiles(pairs["wall"], n=4)[::2],
+            "median_of_pair_ratios_cpu": statistics.median(pairs["cpu"]),
+            "pair_ratio_quartiles_cpu": statistics.quantiles(pairs["cpu"], n=4)[::2],
+            "ratio_of_medians_wall": statistics.median(timed["from_host"]["wall"])
+            / statistics.median(timed["one_put"]["wall"]),
+            "ratio_of_minima_wall": min(timed["from_host"]["wall"]) / min(timed["one_put"]["wall"]),
+        },
+        "method": (
+            "each repeat times one update_weights from host arrays (until the served arrays "
+            "are ready) and one jax.device_put of the same host leaves (until ready), in "
+            "alternating order; wall seconds and process CPU seconds (all threads) per call; "
+            "a pair ratio is one repeat's update over its device_put"
+        ),
         "note": (
             "on CPU a device_put of aligned numpy arrays may alias host memory (no copy), so "
-            "both host figures are mostly per-call overhead (the structure check, one "
-            "batched device_put, the prefix-cache reset); on an accelerator the transfer "
-            "of the bytes dominates both"
+            "both host figures are mostly per-call overhead (one batched device_put, the "
+            "structure check, the prefix-cache reset); on an accelerator the transfer of "
+            "the bytes dominates both"
         ),
         "num_compiles_during_updates": 0,
-        "command": "python scripts/bench_weights.py --out docs/weights_update.json",
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=101)
     p.add_argument("--num-layers", type=int, default=SMALL_LLAMA["num_hidden_layers"])
     p.add_argument("--out", help="write the JSON here")
     args = p.parse_args(argv)
     result = run(args.repeats, args.num_layers)
+    given = sys.argv[1:] if argv is None else argv
+    result["command"] = " ".join(["python scripts/bench_weights.py", *given])
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

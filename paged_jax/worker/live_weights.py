@@ -9,6 +9,9 @@ shapes, dtypes and shardings never recompile. What the runner serves:
     scanned       (rest, StackedLayers): layer i =    get: one copy   update: one copy
     (scan_layers)  stacked[i % p][i // p], tail        (unstacked)     (restacked on device)
 
+A scanned engine's unstack and restack programs (ScanPrograms) are compiled from shapes
+at the LLM's warm-up, so no call here compiles after it.
+
 Sleep level 1 deletes the KV caches and moves the weights to host memory; level 2 deletes
 the weights outright (update_weights / load_weights supply new ones before wake_up). wake_up
 puts the weights back (if on the host) and rebuilds zeroed KV caches by the calls that
@@ -88,6 +91,31 @@ def _restack_fn(layers: list[list[Any]]) -> tuple[Any, ...]:
     )
 
 
+def _lowering_arg(x: Any) -> jax.ShapeDtypeStruct:
+    """x's shape and dtype, and its sharding when a mesh's; a single device's arrays stay
+    uncommitted (as the stack the runner built), so every step keys the same program."""
+    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+class ScanPrograms:
+    """The compiled unstack (_unstack_fn) and restack (_restack_fn) of one served stack.
+
+    Lowered from shapes and shardings (``stacked`` may be abstract: the stand-ins of a
+    sleeping runner), so building them runs nothing. The restack keeps the served stack's
+    shardings (a mesh's); on a single device its output is left uncommitted.
+    """
+
+    def __init__(self, stacked: tuple[Any, ...]):
+        abstract = jax.tree.map(_lowering_arg, stacked)
+        self.unstack = jax.jit(_unstack_fn).lower(abstract).compile()
+        shardings = jax.tree.map(lambda x: x.sharding, stacked)
+        named = any(isinstance(x, jax.sharding.NamedSharding) for x in jax.tree.leaves(shardings))
+        restack = jax.jit(_restack_fn, **(dict(out_shardings=shardings) if named else {}))
+        steps = jax.tree.map(_lowering_arg, _abstract_unstack(stacked))
+        self.restack = restack.lower(steps).compile()
+
+
 @dataclasses.dataclass
 class Asleep:
     """What sleep left: the level, per canonical path its host copy (None: dropped), and
@@ -117,8 +145,9 @@ class LiveWeights:
         self.runner = runner
         self.owns_weights = owns_weights
         self.asleep: Asleep | None = None
-        self._unstack = jax.jit(_unstack_fn)
-        self._restack: Any = None  # jitted with the served stack's shardings, on first use
+        # A scanned engine's unstack and restack programs, compiled by warmup() or on
+        # first use (ScanPrograms).
+        self._programs: ScanPrograms | None = None
         treedef = runner.canonical_treedef
         # The canonical paths in order, and each one's shape, dtype and sharding.
         self.paths: list[Path] = list(
@@ -129,10 +158,37 @@ class LiveWeights:
             p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
             for p, x in zip(self.paths, served)
         }
+        self._spec_list = [self.specs[p] for p in self.paths]
+        self._shapes_dtypes = [(s.shape, s.dtype) for s in self._spec_list]
+        # Per canonical leaf, whether a host array goes to its sharding (a mesh's) or,
+        # uncommitted, to the default device as the runner's own single-device arrays.
+        self._to_sharding = [
+            isinstance(s.sharding, jax.sharding.NamedSharding) for s in self._spec_list
+        ]
+        # Tree structures update() has accepted -> where each canonical path's leaf sits
+        # among the tree's leaves: a repeated update checks shapes and dtypes only.
+        self._leaf_order: dict[Any, list[int]] = {}
+        self._served_treedef = jax.tree.structure(runner.weights)
 
     @property
     def scanned(self) -> bool:
         return self.runner.layer_scan is not None
+
+    def warmup(self) -> None:
+        """Compiles a scanned engine's unstack and restack programs from the served stack's
+        shapes and shardings (nothing runs, nothing is copied), so that get / update /
+        load / wake_up compile nothing later. Unscanned: nothing to compile."""
+        if self.scanned and self._programs is None:
+            with compiles_counted_by(self.runner):
+                self._programs = ScanPrograms(self.runner.weights[1].stacked)
+
+    def _unstack(self, stacked: tuple[Any, ...]) -> list[list[Any]]:
+        self.warmup()
+        return self._programs.unstack(stacked)
+
+    def _restack(self, steps: list[list[Any]]) -> tuple[Any, ...]:
+        self.warmup()
+        return self._programs.restack(steps)
 
     # ------------------------------------------------------------------ reading
     def _canonical_leaves(self, weights: Any, unstack: Any) -> list[Any]:
@@ -160,11 +216,43 @@ class LiveWeights:
         return jax.tree.unflatten(self.runner.canonical_treedef, leaves)
 
     # ------------------------------------------------------------------ writing
-    def check(self, weights: Any) -> dict[Path, Any]:
-        """{path: leaf} of ``weights`` in canonical order; ValueError on the first difference."""
-        given = flat_weights(weights)
+    def check(self, weights: Any) -> list[Any]:
+        """The leaves of ``weights`` in canonical order; ValueError on the first difference.
+
+        The paths of a tree structure are compared once; a tree of a structure seen
+        before (the State get_weights returned, its pure dict) costs one flatten and a
+        shape / dtype comparison per leaf.
+        """
+        leaves, treedef = jax.tree.flatten(weights)
+        order = self._leaf_order.get(treedef)
+        if order is None:
+            order = self._check_paths(weights)
+            self._leaf_order[treedef] = order
+        canonical = [leaves[i] for i in order]
+        try:  # one comparison of every (shape, dtype) at once; the loop below names a difference
+            if [(x.shape, x.dtype) for x in canonical] == self._shapes_dtypes:
+                return canonical
+        except AttributeError:  # a leaf that is not an array
+            pass
+        for p, x, spec in zip(self.paths, canonical, self._spec_list):
+            shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+            if shape is None or dtype is None:  # a list, a scalar: what numpy makes of it
+                shape, dtype = np.shape(x), np.asarray(x).dtype
+            if tuple(shape) != spec.shape or dtype != spec.dtype:
+                raise ValueError(
+                    f"weights[{path_name(p)!r}] has shape {tuple(shape)} and dtype "
+                    f"{jnp.dtype(dtype)}; the served parameter has shape {spec.shape} and "
+                    f"dtype {spec.dtype}"
+                )
+        return canonical
+
+    def _check_paths(self, weights: Any) -> list[int]:
+        """Per canonical path, the index of its leaf in ``weights``; ValueError naming the
+        first path missing or not served."""
+        given = list(flat_weights(weights))
+        position = {q: i for i, q in enumerate(given)}
         for p in self.paths:
-            if p not in given:
+            if p not in position:
                 extra = [path_name(q) for q in given if q not in self.specs][:3]
                 raise ValueError(
                     f"weights[{path_name(p)!r}] is missing: weights must have the structure "
@@ -176,50 +264,41 @@ class LiveWeights:
                     f"weights[{path_name(q)!r}] is not a parameter of the served model: "
                     "weights must have the structure get_weights() returns"
                 )
-        for p in self.paths:
-            x, spec = given[p], self.specs[p]
-            shape = tuple(np.shape(x))
-            dtype = jnp.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
-            if shape != spec.shape or dtype != spec.dtype:
-                raise ValueError(
-                    f"weights[{path_name(p)!r}] has shape {shape} and dtype {dtype}; the served "
-                    f"parameter has shape {spec.shape} and dtype {spec.dtype}"
-                )
-        return {p: given[p] for p in self.paths}
-
-    def _placed(self, p: Path, x: Any) -> jax.Array:
-        """x on the served parameter's devices: as is when already there, else one copy."""
-        sharding = self.specs[p].sharding
-        if isinstance(x, jax.Array) and x.sharding == sharding:
-            return x
-        if isinstance(sharding, jax.sharding.NamedSharding) or isinstance(x, jax.Array):
-            return jax.device_put(x, sharding)
-        return jax.device_put(np.asarray(x))  # a host array: to the default device
+        return [position[p] for p in self.paths]
 
     def update(self, weights: Any) -> None:
         """Serves ``weights``, a tree of get_weights' structure (ValueError otherwise)."""
-        self._update_flat(self.check(weights))
+        self._update_leaves(self.check(weights))
 
-    def _placed_all(self, flat: Mapping[Path, Any]) -> list[jax.Array]:
-        """Every path's array placed (_placed); host arrays for one device in one transfer."""
-        leaves = [flat[p] for p in self.paths]
-        host = [
-            i
-            for i, (p, x) in enumerate(zip(self.paths, leaves))
-            if not isinstance(x, jax.Array)
-            and not isinstance(self.specs[p].sharding, jax.sharding.NamedSharding)
-        ]
-        for i, x in zip(host, jax.device_put([np.asarray(leaves[i]) for i in host])):
-            leaves[i] = x
-        done = set(host)
-        return [
-            x if i in done else self._placed(p, x)
-            for i, (p, x) in enumerate(zip(self.paths, leaves))
-        ]
+    def _placed_all(self, leaves: list[Any]) -> list[jax.Array]:
+        """Canonical leaves on the served parameters' devices: an array already there with
+        the served sharding as is; the others in (at most) two batched transfers, host
+        arrays of a single device uncommitted, the rest to their sharding."""
+        out = list(leaves)
+        to_default: list[int] = []
+        to_sharding: list[int] = []
+        for i, (x, spec) in enumerate(zip(leaves, self._spec_list)):
+            if isinstance(x, jax.Array):
+                if x.sharding != spec.sharding:
+                    to_sharding.append(i)
+            elif self._to_sharding[i]:
+                to_sharding.append(i)
+            else:
+                to_default.append(i)
+        if to_default:
+            placed = jax.device_put([np.asarray(leaves[i]) for i in to_default])
+            for i, x in zip(to_default, placed):
+                out[i] = x
+        if to_sharding:
+            shardings = [self._spec_list[i].sharding for i in to_sharding]
+            placed = jax.device_put([leaves[i] for i in to_sharding], shardings)
+            for i, x in zip(to_sharding, placed):
+                out[i] = x
+        return out
 
-    def _update_flat(self, flat: Mapping[Path, Any]) -> None:
+    def _update_leaves(self, leaves: list[Any]) -> None:
         with compiles_counted_by(self.runner):
-            self._serve(self._placed_all(flat))
+            self._serve(self._placed_all(leaves))
         if self.asleep is not None:  # the new weights are on the device now
             self.asleep.host, self.asleep.weights_on_device = {}, True
 
@@ -238,21 +317,18 @@ class LiveWeights:
                     f"after sleep(level=2) the weights must be supplied whole: "
                     f"{len(missing)} parameter(s) missing, first {missing[0]!r}"
                 )
-            self._update_flat(values)
+            self._update_leaves([values[p] for p in self.paths])
             return
         with compiles_counted_by(self.runner):
-            current = dict(
-                zip(self.paths, self._canonical_leaves(self.runner.weights, self._unstack))
-            )
-            for p, v in values.items():
-                current[p] = self._placed(p, v)
-            self._serve([current[p] for p in self.paths])
+            current = self._canonical_leaves(self.runner.weights, self._unstack)
+            leaves = [values.get(p, x) for p, x in zip(self.paths, current)]
+            self._serve(self._placed_all(leaves))
 
     def _serve(self, leaves: list[jax.Array]) -> None:
         """Sets the runner's weights from canonical leaves (restacked on device when scanned)."""
         runner = self.runner
         if not self.scanned:
-            runner.weights = jax.tree.unflatten(jax.tree.structure(runner.weights), leaves)
+            runner.weights = jax.tree.unflatten(self._served_treedef, leaves)
             return
         rest, layers = runner.weights
         by_path = dict(zip(self.paths, leaves))
@@ -269,14 +345,6 @@ class LiveWeights:
             [state_like(layers.stacked[j], ("layers", s * p + j)) for j in range(p)]
             for s in range(n)
         ]
-        if self._restack is None:
-            # Sharded stacks keep their sharding; a single device's stay uncommitted like
-            # the stack the runner built, so every jitted step keys the same cache entry.
-            shardings = jax.tree.map(lambda x: x.sharding, layers.stacked)
-            named = any(
-                isinstance(x, jax.sharding.NamedSharding) for x in jax.tree.leaves(shardings)
-            )
-            self._restack = jax.jit(_restack_fn, **(dict(out_shardings=shardings) if named else {}))
         stacked = self._restack(steps)
         tail = tuple(
             state_like(state, ("layers", plan.num_scanned + t))
@@ -325,7 +393,7 @@ class LiveWeights:
         runner = self.runner
         with compiles_counted_by(runner):
             if not asleep.weights_on_device:
-                self._serve(self._placed_all(asleep.host))
+                self._serve(self._placed_all([asleep.host[p] for p in self.paths]))
             runner.kv_caches = runner.make_kv_caches()
         self.asleep = None
 

@@ -263,10 +263,15 @@ def test_sleep_level_2_needs_new_weights_before_wake_up(llm, live):
         llm.sleep(level=3)
 
 
-def test_a_scanned_engine_gives_the_same_structure_and_restacks_on_update(model_dir, live):
+def test_a_scanned_engine_gives_the_same_structure_and_compiles_nothing_after_warm_up(
+    model_dir, live
+):
     _, original = live
-    llm = LLM(str(model_dir), scan_layers="on", warmup=False, **SMALL_LLM)
+    llm = LLM(str(model_dir), scan_layers="on", **SMALL_LLM)
     assert llm.engine.runner.layer_scan is not None  # it serves stacked layers
+    # Warm-up compiled the unstack / restack programs too: from here on nothing compiles.
+    compiles = _compiles(llm)
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
     got = _host(llm.get_weights())
     assert list(got) == list(original)
     for path, value in original.items():
@@ -275,14 +280,19 @@ def test_a_scanned_engine_gives_the_same_structure_and_restacks_on_update(model_
     rng = np.random.default_rng(1)
     perturbed = {k: v + 0.05 * rng.standard_normal(v.shape).astype(v.dtype) for k, v in got.items()}
     llm.update_weights(_pure(perturbed))
-    compiles = _compiles(llm)  # the restack program compiled at the first update, once
     changed = _host(llm.get_weights())
     for path, value in perturbed.items():
         np.testing.assert_array_equal(changed[path], value)
     assert _tokens(llm) != greedy
-    llm.update_weights(_pure(original))
+    tensors = _checkpoint_tensors(model_dir)
+    llm.load_weights(tensors.items())  # back to the checkpoint, restacked on the device
     assert _tokens(llm) == greedy
     llm.sleep(level=1)
     llm.wake_up()
     assert _tokens(llm) == greedy
+    llm.sleep(level=2)
+    llm.update_weights(_pure(original))
+    llm.wake_up()
+    assert _tokens(llm) == greedy
     assert _compiles(llm) == compiles
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
