@@ -243,6 +243,8 @@ def params_from_named_tensors(
     cls: type[CausalLM],
     config: ModelConfig,
     named_tensors: Iterable[tuple[str, Any]],
+    *,
+    tensor_parallel_size: int = 1,
 ) -> dict[tuple[Any, ...], np.ndarray]:
     """(Hugging Face name, array) pairs -> {param path: host array in the model's layout}.
 
@@ -251,11 +253,19 @@ def params_from_named_tensors(
     prefix, and buffers (rotary inv_freq, a tied lm_head, fp8 KV scales) are skipped. A
     subset of the parameters may be given, but a stacked parameter needs all its slices.
 
+    ``config`` is the checkpoint's. With ``tensor_parallel_size`` > 1 the arrays are in
+    the layout load_model(mesh=...) gives that many devices (KV heads repeated when fewer
+    than devices), still on the host.
+
     Raises:
         ValueError: naming an unknown name, a shape that differs from the table's, or a
             stacked parameter with slices missing.
     """
     rules = cls.weight_rules(config)
+    if tensor_parallel_size > 1:
+        rules = tensor_parallel_weight_rules(
+            rules, cls.partition_rules, config, tensor_parallel_size
+        )
     by_name: dict[str, list[WeightRule]] = {}
     for rule in rules:
         by_name.setdefault(rule.hf_name, []).append(rule)

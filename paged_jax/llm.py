@@ -190,6 +190,13 @@ class LLM:
             self.model = load_model(
                 path, dtype=dtype, attention_backend=config.attention_backend, mesh=mesh
             )
+            # load_weights takes tensors of the checkpoint's shapes; a model loaded onto a
+            # mesh repeats its KV heads when they are fewer than the devices.
+            self._checkpoint_config = self.model.config
+            if mesh is not None:
+                from paged_jax.models.loader import family_config
+
+                self._checkpoint_config = family_config(path, dtype)[1]
             if tokenizer is None and (path / "tokenizer.json").is_file():
                 tokenizer = path / "tokenizer.json"
             self._special_tokens = model_special_tokens(path)
@@ -198,6 +205,7 @@ class LLM:
         else:
             check_paged_model(model)
             self.model = model
+            self._checkpoint_config = getattr(model, "config", None)  # never split here
             config = dataclasses.replace(config, dtype=_dtype_name(model.config.dtype))
         if chat_template is not None:
             self.chat_template = self._given_template(chat_template)
@@ -734,11 +742,12 @@ class LLM:
         does (transposes, fused tensors split, MoE experts stacked: every expert of a
         layer's stacked parameter must be given together). The parameters not named keep
         their values. Nothing compiles; the prefix cache is reset. Tensors pass through
-        host memory for the conversion.
+        host memory for the conversion; under tensor parallelism each converted array
+        (KV heads repeated as loading does) is placed with the served sharding.
 
         Raises:
             ValueError: a name the model has not (naming it), a wrong shape, a model that
-                is not a paged_jax.models family, tensor_parallel_size > 1.
+                is not a paged_jax.models family.
             RuntimeError: as update_weights.
         """
         from paged_jax.models.loader import params_from_named_tensors
@@ -749,12 +758,12 @@ class LLM:
                 f"load_weights needs a paged_jax.models family with a weight table; "
                 f"{type(self.model).__name__} has none (use update_weights)"
             )
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"load_weights with tensor_parallel_size={self.config.tensor_parallel_size} "
-                "is not supported yet: use update_weights with sharded arrays"
-            )
-        values = params_from_named_tensors(type(self.model), self.model.config, named_tensors)
+        values = params_from_named_tensors(
+            type(self.model),
+            self._checkpoint_config,
+            named_tensors,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+        )
         with self._locked():
             self._check_idle("load_weights")
             self._live_weights().update_some(values)

@@ -296,3 +296,79 @@ def test_a_scanned_engine_gives_the_same_structure_and_compiles_nothing_after_wa
     assert _tokens(llm) == greedy
     assert _compiles(llm) == compiles
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
+
+
+# Run on 4 forced CPU devices in a subprocess (jax fixes the device count at start-up): the
+# tiny Llama's 2 KV heads are repeated to 4 on the mesh, so load_weights must convert
+# checkpoint-shaped tensors as loading does and place them with the served shardings.
+TP_SCRIPT = """
+import json, pathlib, sys
+import numpy as np
+from safetensors.numpy import load_file
+from paged_jax import LLM, SamplingParams
+from paged_jax.worker.live_weights import flat_weights
+
+path, out = sys.argv[1], sys.argv[2]
+llm = LLM(path, tensor_parallel_size=4, scan_layers="on", block_size=4, max_num_seqs=2,
+          max_num_batched_tokens=16, max_model_len=64, num_kv_blocks=32,
+          attention_backend="reference")
+prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+greedy = SamplingParams(temperature=0.0, max_tokens=6)
+def tokens():
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+before, compiles = tokens(), llm.get_stats()["num_compiles"]
+tensors = {}
+for f in sorted(pathlib.Path(path).glob("*.safetensors")):
+    tensors.update(load_file(f))
+name, key = "model.layers.1.self_attn.k_proj.weight", ("layers", 1, "attn", "k_proj", "kernel")
+old = flat_weights(llm.get_weights())[key]
+llm.load_weights([(name, tensors[name] * 2.0)])
+new = flat_weights(llm.get_weights())[key]
+changed = tokens()
+llm.load_weights(tensors.items())
+restored = tokens()
+llm.sleep(level=1)
+llm.wake_up()
+woken = tokens()
+json.dump(dict(
+    before=before, changed=changed, restored=restored, woken=woken,
+    compiles=llm.get_stats()["num_compiles"] - compiles,
+    hf_shape=list(tensors[name].shape), served=np.asarray(new).tolist(),
+    same_sharding=new.sharding == old.sharding,
+    shard_shapes=sorted({tuple(s.data.shape) for s in new.addressable_shards}),
+), open(out, "w"))
+"""
+
+
+def test_load_weights_and_sleep_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.numpy import load_file
+
+    path = tiny_hf_checkpoint("llama")  # 4 heads, 2 KV heads of 16
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    ).strip()
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", TP_SCRIPT, str(path), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang guard only
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    weight = load_file(path / "model.safetensors")["model.layers.1.self_attn.k_proj.weight"]
+    assert got["hf_shape"] == [32, 64]  # [2 KV heads x 16, hidden]
+    # The kernel [hidden, kv x 16], each KV head's 16 columns repeated for the 4 devices.
+    expected = np.repeat((2.0 * weight).T.reshape(64, 2, 1, 16), 2, axis=2).reshape(64, 64)
+    np.testing.assert_array_equal(np.asarray(got["served"], np.float32), expected)
+    assert got["same_sharding"] and got["shard_shapes"] == [[64, 16]]  # split by KV head
+    assert got["changed"] != got["before"]
+    assert got["restored"] == got["before"] and got["woken"] == got["before"]
+    assert got["compiles"] == 0
