@@ -776,20 +776,16 @@ class LLM:
         host memory; level 2 deletes the weights too: update_weights or load_weights (of
         every parameter) must supply them before wake_up. generate, chat, beam_search and
         get_weights raise while asleep. Arrays get_weights returned unscanned are the
-        served ones, and are deleted too.
+        served ones, and are deleted too. With a speculative draft model, its KV cache is
+        deleted and its weights go to host memory at either level (update_weights and
+        load_weights change the target's weights only).
 
         Raises:
-            ValueError: a level other than 1 or 2, an engine with speculative decoding
-                (its draft model's memory is not handed back yet).
+            ValueError: a level other than 1 or 2.
             RuntimeError: already asleep, or requests are unfinished.
         """
         if level not in (1, 2):
             raise ValueError(f"level={level!r} must be 1 or 2")
-        if self.config.speculative_config is not None:
-            raise ValueError(
-                "sleep with speculative_config is not supported yet: the draft model's "
-                "weights and KV cache would stay on the device"
-            )
         with self._locked():
             self._check_idle("sleep")
             live = self._live_weights()
@@ -797,6 +793,7 @@ class LLM:
                 raise RuntimeError(f"sleep(level={level}): the engine is asleep already")
             self._reset_prefix_cache()
             live.sleep(level)
+            self._proposer_hook("sleep")
 
     def wake_up(self) -> None:
         """Puts the weights back on the device (unless new ones were supplied) and
@@ -807,9 +804,17 @@ class LLM:
             RuntimeError: after sleep(level=2) without update_weights / load_weights.
         """
         with self._locked():
-            if self._live is not None:
+            if self._live is not None and self._live.asleep is not None:
                 self._live.wake_up()
+                self._proposer_hook("wake_up")
                 self._follow_served_weights()
+
+    def _proposer_hook(self, name: str) -> None:
+        """Calls the speculative proposer's sleep / wake_up, where it has one (a draft
+        model's device state; n-gram lookup has none)."""
+        hook = getattr(self.engine.proposer, name, None)
+        if hook is not None:
+            hook()
 
     def is_sleeping(self) -> bool:
         """Whether sleep() was called without a wake_up() since."""

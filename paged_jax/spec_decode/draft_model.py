@@ -139,6 +139,16 @@ class DraftModelProposer:
         self.runner.warmup(steps)
         self._zero_probs = self.runner.propose(*self.runner.padding_propose_args()).probs
 
+    def sleep(self) -> None:
+        """LLM.sleep: the draft's weights to host memory, its KV cache deleted."""
+        if self.runner is not None:
+            self.runner.sleep()
+
+    def wake_up(self) -> None:
+        """LLM.wake_up: the draft's weights back on the device and an empty KV cache."""
+        if self.runner is not None:
+            self.runner.wake_up()
+
     # ------------------------------------------------------------------ propose
     def propose(self, batch: ProposalBatch) -> Proposal:
         """Catches the draft up on the batch's step, then drafts k tokens per request.

@@ -150,6 +150,10 @@ class DraftRunner:
             weights = jax.device_put(weights, replicated)
             caches = jax.device_put(caches, replicated)
         self.weights, self.kv_caches = weights, caches
+        # sleep / wake_up: the caches are rebuilt by the calls that built them (no compile).
+        self._replicated = replicated
+        self._make_caches = lambda: model.init_kv_caches(self.num_kv_blocks, block_size)
+        self._host_weights: Any = None  # the weights while asleep
         self.row_tokens = jax.device_put(row_tokens, replicated)
         backend = config.attention_backend
         out = {} if replicated is None else dict(out_shardings=replicated)
@@ -257,6 +261,31 @@ class DraftRunner:
             self.weights, self.kv_caches, tokens, positions, block_table, active, sampling
         )
         return proposal
+
+    # ------------------------------------------------------------------ sleep
+    @counting_compiles
+    def sleep(self) -> None:
+        """Hands the device memory back: the weights to host memory (the target's
+        update_weights never supplies a draft's), the KV caches deleted."""
+        self._host_weights = jax.device_get(self.weights)
+        for x in jax.tree.leaves((self.weights, self.kv_caches)):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        self.weights = self.kv_caches = None
+
+    @counting_compiles
+    def wake_up(self) -> None:
+        """The weights back on the device (as they were placed) and zeroed KV caches."""
+        if self._host_weights is None:
+            return
+        replicated = self._replicated
+        caches = self._make_caches()
+        if replicated is None:
+            self.weights = jax.device_put(self._host_weights)
+        else:
+            self.weights = jax.device_put(self._host_weights, replicated)
+            caches = jax.device_put(caches, replicated)
+        self.kv_caches, self._host_weights = caches, None
 
     # ------------------------------------------------------------------ warm-up
     def padding_propose_args(self) -> tuple:

@@ -61,7 +61,10 @@ the next token: k for a draft model, 0 for n-gram), ``kv_cache_bytes_per_block()
 by target + draft bytes per block), ``initialize(num_kv_blocks)`` (allocate its caches
 once the pool size is known), ``warmup()`` (build every program ahead of serving), and
 ``num_compiles`` (backend compiles its own programs made; the engine adds it to its
-counter, so "0 compiles after warm-up" covers the proposer). A proposer class is
+counter, so "0 compiles after warm-up" covers the proposer). Optional: ``sleep()`` and
+``wake_up()``, which LLM.sleep / LLM.wake_up call on a proposer that has them (one with
+device state hands it back; the draft model's weights go to host memory at every
+level, its KV cache is deleted and comes back empty). A proposer class is
 built as ``cls(spec_config, context)`` (ProposerContext); the method name maps to its
 class in PROPOSER_CLASSES.
 """

@@ -372,3 +372,44 @@ def test_load_weights_and_sleep_under_tensor_parallelism(tiny_hf_checkpoint, tmp
     assert got["changed"] != got["before"]
     assert got["restored"] == got["before"] and got["woken"] == got["before"]
     assert got["compiles"] == 0
+
+
+def test_a_draft_model_follows_the_targets_sleep_and_wake_up(tiny_hf_checkpoint):
+    target = tiny_hf_checkpoint("llama")
+    draft = tiny_hf_checkpoint(
+        "llama", seed=7, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm = LLM(
+        str(target),
+        speculative_config=spec,
+        attention_backend="reference",
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,  # one token bucket: few programs to warm up
+        max_model_len=64,
+    )
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 40, 41, 42]]
+    greedy, seeded = _tokens(llm, prompts=prompts), _tokens(llm, SEEDED, prompts=prompts)
+    compiles = _compiles(llm)
+    original = _host(llm.get_weights())
+    held = llm.engine.runner.memory_per_device()
+    drafter = llm.engine.proposer.runner
+    draft_bytes = sum(x.nbytes for x in jax.tree.leaves((drafter.weights, drafter.kv_caches)))
+    assert draft_bytes > 0
+    everything = held["weight_bytes_per_device"] + held["kv_cache_bytes_per_device"] + draft_bytes
+    gc.collect()
+    before = live_bytes()
+    llm.sleep(level=1)
+    gc.collect()
+    assert before - live_bytes() >= 0.95 * everything, (before, live_bytes(), everything)
+    llm.wake_up()
+    assert _tokens(llm, prompts=prompts) == greedy
+    assert _tokens(llm, SEEDED, prompts=prompts) == seeded
+    # Level 2 drops the target's weights only: the draft's come back from host memory.
+    llm.sleep(level=2)
+    llm.update_weights(_pure(original))
+    llm.wake_up()
+    assert _tokens(llm, prompts=prompts) == greedy
+    assert _compiles(llm) == compiles
