@@ -19,6 +19,9 @@ def _load_script():
 
 
 def test_bench_engine_runs_every_system_repeated(tiny_hf_checkpoint, tmp_path, capsys):
+    """Every system, two rounds, and --tensor-parallel-size 2: a paged worker split over 2
+    forced CPU devices beside the one-device one (one script run for both: each run starts
+    its own worker processes, which import jax and compile)."""
     out = tmp_path / "bench.json"
     argv = [
         "--model", str(tiny_hf_checkpoint("llama")),
@@ -28,14 +31,14 @@ def test_bench_engine_runs_every_system_repeated(tiny_hf_checkpoint, tmp_path, c
         "--max-model-len", "64", "--budget-full-requests", "2",
         "--max-num-seqs", "8", "--max-num-batched-tokens", "32",
         "--repeats", "2", "--hf-batch-sizes", "2,4",
-        "--comparisons", "same-budget",
+        "--comparisons", "same-budget", "--tensor-parallel-size", "2",
         "--output", str(out),
     ]  # fmt: skip
     assert _load_script().main(argv) == 0
     assert "paged-jax" in capsys.readouterr().out
     report = json.loads(out.read_text())
     names = {"paged-jax", "contiguous-max", "contiguous-pow2", "contiguous-oracle", "hf-static"}
-    assert set(report["results"]) == names
+    assert set(report["results"]) == names | {"paged-jax-tp2"}
     total = report["workload"]["summary"]["total_output_tokens"]
     for name, result in report["results"].items():
         assert len(result["tokens_per_s"]["runs"]) == 2, name
@@ -52,6 +55,15 @@ def test_bench_engine_runs_every_system_repeated(tiny_hf_checkpoint, tmp_path, c
     paged = report["results"]["paged-jax"]["median_run"]
     assert paged["num_compiles_after_warmup"] == 0 and paged["host_wall_us_per_seq"] > 0
     assert "throughput_paged_vs_hf-static" in report["ratios"]
+    # The tensor-parallel worker: the same greedy outputs in both rounds, no compile after
+    # warm-up, half the KV heads per device (the tiny Llama has 2): half the KV bytes, in
+    # the same number of blocks.
+    tp = report["tensor_parallel"]
+    assert set(tp) == {"1", "2"} and tp["2"]["greedy_outputs_equal_to_tp1"] == [4, 4]
+    assert tp["2"]["num_compiles_after_warmup"] == 0
+    assert tp["2"]["kv_cache_bytes_per_device"] * 2 == tp["1"]["kv_cache_bytes_per_device"]
+    tp2 = report["results"]["paged-jax-tp2"]["median_run"]
+    assert tp2["num_kv_blocks"] == paged["num_kv_blocks"]
 
 
 def test_a_greedy_mismatch_is_counted():
@@ -66,35 +78,6 @@ def test_a_greedy_mismatch_is_counted():
     assert report["num_mismatched_outputs"] == 1
     assert report["greedy_output_agreement"]["contiguous-max"]["equal_per_run"] == [2, 1]
     assert report["ratios"]["throughput_paged_vs_contiguous-max"]["median"] == 1.0
-
-
-def test_bench_engine_tensor_parallel_worker(tiny_hf_checkpoint, tmp_path):
-    """--tensor-parallel-size adds a paged worker split over 2 forced CPU devices."""
-    out = tmp_path / "bench.json"
-    argv = [
-        "--model", str(tiny_hf_checkpoint("llama")),
-        "--systems", "paged", "--tensor-parallel-size", "2",
-        "--num-requests", "3",
-        "--input-median", "8", "--input-max", "24",
-        "--output-median", "5", "--output-max", "5",
-        "--max-model-len", "64", "--budget-full-requests", "2",
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-        "--repeats", "1", "--output", str(out),
-    ]  # fmt: skip
-    assert _load_script().main(argv) == 0
-    report = json.loads(out.read_text())
-    assert set(report["results"]) == {"paged-jax", "paged-jax-tp2"}
-    assert report["num_mismatched_outputs"] == 0
-    tp = report["tensor_parallel"]
-    assert set(tp) == {"1", "2"} and tp["2"]["greedy_outputs_equal_to_tp1"] == [3]
-    assert tp["2"]["num_compiles_after_warmup"] == 0
-    # Half the KV heads per device: half the KV bytes (the tiny Llama has 2 KV heads).
-    assert tp["2"]["kv_cache_bytes_per_device"] * 2 == tp["1"]["kv_cache_bytes_per_device"]
-    runs = report["results"]
-    assert (
-        runs["paged-jax-tp2"]["median_run"]["num_kv_blocks"]
-        == (runs["paged-jax"]["median_run"]["num_kv_blocks"])
-    )
 
 
 def test_best_vs_best_real_workers(tiny_hf_checkpoint, tmp_path):
