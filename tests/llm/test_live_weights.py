@@ -267,7 +267,9 @@ def test_a_scanned_engine_gives_the_same_structure_and_compiles_nothing_after_wa
     model_dir, live
 ):
     _, original = live
-    llm = LLM(str(model_dir), scan_layers="on", **SMALL_LLM)
+    # One token bucket, two rows: few programs to warm up.
+    small = dict(block_size=4, max_num_seqs=2, max_num_batched_tokens=16, max_model_len=64)
+    llm = LLM(str(model_dir), scan_layers="on", **small)
     assert llm.engine.runner.layer_scan is not None  # it serves stacked layers
     # Warm-up compiled the unstack / restack programs too: from here on nothing compiles.
     compiles = _compiles(llm)
