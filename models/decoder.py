@@ -184,6 +184,9 @@ class CausalLM(nnx.Module):
             if config.tie_word_embeddings
             else linear(embed_dim, config.vocab_size, bias=False, config=config, rngs=rngs)
         )
+        # The tied head's product (as nnx.Linear's dot_general): batch-invariant engines
+        # swap in a row-tiled one (paged_jax.models.batch_invariant).
+        self.head_dot_general = jax.lax.dot_general
 
     # -- family hooks -------------------------------------------------------------------
 
@@ -221,10 +224,11 @@ class CausalLM(nnx.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         if self.lm_head is None:
-            logits = jnp.einsum(
-                "...e,ve->...v",
+            # "...e,ve->...v": x's last dim against the embedding's dim 1.
+            logits = self.head_dot_general(
                 x,
                 self.embed_tokens.embedding[...],
+                (((x.ndim - 1,), (1,)), ((), ())),
                 precision=matmul_precision(self.config.dtype),
             )
         else:
