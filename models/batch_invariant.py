@@ -39,7 +39,9 @@ def row_tiled_dot_general(
     to ``lax.dot_general`` unchanged.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    kwargs: dict[str, Any] = dict(precision=precision, preferred_element_type=preferred_element_type)
+    kwargs: dict[str, Any] = dict(
+        precision=precision, preferred_element_type=preferred_element_type
+    )
     row_wise = (
         rhs.ndim == 2
         and tuple(lhs_contract) == (lhs.ndim - 1,)

@@ -39,9 +39,7 @@ SAMPLED = SamplingParams(temperature=0.9, seed=1234, max_tokens=10, logprobs=3)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, logprobs=3)
 TARGETS = ((SAMPLED_PROMPT, SAMPLED), (GREEDY_PROMPT, GREEDY))
 # 24 others of mixed lengths, settings and output lengths, so the batch changes every step.
-OTHERS = [
-    [int(t) for t in _rng.integers(3, 128, int(n))] for n in _rng.integers(2, 40, size=24)
-]
+OTHERS = [[int(t) for t in _rng.integers(3, 128, int(n))] for n in _rng.integers(2, 40, size=24)]
 OTHER_PARAMS = [
     SamplingParams(
         temperature=0.0 if i % 3 == 0 else 1.0,
@@ -59,8 +57,7 @@ def _result(out) -> tuple:
     """(token ids, per token: the sorted (id, logprob) pairs of its logprob entry): exact."""
     completion = out.outputs[0]
     entries = tuple(
-        tuple(sorted((tok, lp.logprob) for tok, lp in step.items()))
-        for step in completion.logprobs
+        tuple(sorted((tok, lp.logprob) for tok, lp in step.items())) for step in completion.logprobs
     )
     return tuple(completion.token_ids), entries
 
@@ -159,7 +156,8 @@ def test_the_mode_is_one_bucket_and_refuses_what_it_cannot_pin():
     assert len(EngineConfig(max_num_batched_tokens=96).token_buckets) > 1
     with pytest.raises(ValueError, match=r"EngineConfig.batch_invariant=True must be False with "):
         EngineConfig(
-            batch_invariant=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+            batch_invariant=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
         )
     with pytest.raises(ValueError, match=r"EngineConfig.batch_invariant=1 must be a bool"):
         EngineConfig(batch_invariant=1)
