@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paged_jax.constants import cdiv
 from paged_jax.models.config import ModelConfig, RopeConfig
 
 
@@ -55,7 +56,7 @@ def map_row_tiles(fn, x: jax.Array) -> jax.Array:  # f[..., d] -> f[..., d_out]
     lead, width = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, width)
     num_rows = rows.shape[0]
-    num_tiles = -(-num_rows // ROW_TILE)
+    num_tiles = cdiv(num_rows, ROW_TILE)
     rows = jnp.pad(rows, ((0, num_tiles * ROW_TILE - num_rows), (0, 0)))
     out = jax.lax.map(fn, rows.reshape(num_tiles, ROW_TILE, width))
     out = out.reshape(num_tiles * ROW_TILE, out.shape[-1])[:num_rows]

@@ -35,7 +35,7 @@ import numpy as np
 from paged_jax.baselines.hf_generate import MODEL_PRESETS, build_random_llama
 from paged_jax.baselines.json_report import write_json_atomic
 
-MODES = ("default", "batch_invariant")
+COMPARED_MODES = ("default", "batch_invariant")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -95,7 +95,7 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
         path = build_random_llama(tmp, seed=args.seed, preset=args.model_preset)
         llms = {}
         build_s = {}
-        for mode in MODES:
+        for mode in COMPARED_MODES:
             t0 = time.perf_counter()
             llms[mode] = LLM(str(path), batch_invariant=mode == "batch_invariant", **engine_kwargs)
             build_s[mode] = time.perf_counter() - t0
@@ -107,7 +107,7 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
     rounds = []
     batch_signature = None
     for r in range(args.repeats):
-        order = MODES if r % 2 == 0 else MODES[::-1]
+        order = COMPARED_MODES if r % 2 == 0 else COMPARED_MODES[::-1]
         wall = {}
         for mode in order:
             t0 = time.perf_counter()
@@ -119,8 +119,8 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
         rounds.append(
             {
                 "order": list(order),
-                "wall_s": {m: round(wall[m], 4) for m in MODES},
-                "output_tok_s": {m: round(num_out / wall[m], 1) for m in MODES},
+                "wall_s": {m: round(wall[m], 4) for m in COMPARED_MODES},
+                "output_tok_s": {m: round(num_out / wall[m], 1) for m in COMPARED_MODES},
                 "cost_ratio": round(wall["batch_invariant"] / wall["default"], 4),
             }
         )
@@ -133,7 +133,7 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
     invariant = llms["batch_invariant"]
     alone = _signature(invariant.generate(prompts[:1], params[0], use_tqdm=False)[0])
     ratios = [r["cost_ratio"] for r in rounds]
-    stats = {m: llms[m].get_stats() for m in MODES}
+    stats = {m: llms[m].get_stats() for m in COMPARED_MODES}
     return {
         "workload": {
             "num_prompts": args.num_prompts,
@@ -143,8 +143,8 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
             "sampling": "temperature 1, seeded per request, logprobs=0, ignore_eos",
         },
         "engine": engine_kwargs,
-        "token_buckets": {m: list(llms[m].engine.config.token_buckets) for m in MODES},
-        "build_and_warmup_s": {m: round(build_s[m], 2) for m in MODES},
+        "token_buckets": {m: list(llms[m].engine.config.token_buckets) for m in COMPARED_MODES},
+        "build_and_warmup_s": {m: round(build_s[m], 2) for m in COMPARED_MODES},
         "rounds": rounds,
         "cost_ratio": {
             "median": statistics.median(ratios),
@@ -152,9 +152,9 @@ def run_point(args: argparse.Namespace, budget: int) -> dict[str, Any]:
             "max": max(ratios),
         },
         "output_tok_s_median": {
-            m: round(statistics.median(r["output_tok_s"][m] for r in rounds), 1) for m in MODES
+            m: round(statistics.median(r["output_tok_s"][m] for r in rounds), 1) for m in COMPARED_MODES
         },
-        "compiles_after_warmup": {m: stats[m]["num_compiles_after_warmup"] for m in MODES},
+        "compiles_after_warmup": {m: stats[m]["num_compiles_after_warmup"] for m in COMPARED_MODES},
         "first_request_alone_equals_batched": alone == batch_signature,
     }
 
