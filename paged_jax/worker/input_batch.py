@@ -359,6 +359,7 @@ class InputBatch:
             logits_indices=logits_indices,
             decode_only=decode_kernel,
             validate=cfg.validate,
+            ragged_only=cfg.batch_invariant,
         )
         rows_sampling = self._rows_sampling(rows, s_pad)
         sampling = self._sampling(rows, num_out, seq_lens, rows_sampling)
@@ -523,6 +524,7 @@ class InputBatch:
             logits_indices=np.zeros(s, np.int32),
             decode_only=decode_only,
             validate=self.config.validate,
+            ragged_only=self.config.batch_invariant,
         )
         sampling = SamplingMetadata(
             temperature=np.zeros(s, np.float32),
