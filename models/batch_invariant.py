@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from paged_jax.models.layers import ROW_TILE, RowNorm, map_row_tiles
@@ -55,7 +56,21 @@ def row_tiled_dot_general(
             kwargs["out_sharding"] = out_sharding
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kwargs)
     dims = (((1,), tuple(rhs_contract)), ((), ()))
-    return map_row_tiles(lambda tile: jax.lax.dot_general(tile, rhs, dims, **kwargs), lhs)
+
+    def gemm(tile: jax.Array) -> jax.Array:  # f[ROW_TILE, in] -> f[ROW_TILE, out]
+        return jax.lax.dot_general(tile, rhs, dims, **kwargs)
+
+    out = jax.eval_shape(gemm, jax.ShapeDtypeStruct((ROW_TILE, lhs.shape[-1]), lhs.dtype))
+
+    def one_tile(tile: jax.Array) -> jax.Array:
+        # An all-zero tile's product is zero: skipped. The engine's padding rows are zero
+        # (CausalLM.forward_paged_hidden), so a step pays for its real rows' tiles only,
+        # and a tile that is computed is computed the same way whatever is skipped.
+        return jax.lax.cond(
+            jnp.any(tile != 0), gemm, lambda t: jnp.zeros(out.shape, out.dtype), tile
+        )
+
+    return map_row_tiles(one_tile, lhs)
 
 
 def set_row_tiled_matmuls(model: Any) -> None:

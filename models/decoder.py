@@ -307,6 +307,12 @@ class CausalLM(nnx.Module):
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
         x = self.embed(token_ids, positions)
+        if attn_metadata.ragged_only:
+            # Batch-invariant steps: padding rows (past the step's tokens) are zeros, and
+            # stay zeros through bias-free layers, so row-tiled matmuls skip their tiles
+            # (paged_jax.models.batch_invariant); they are never read.
+            real = jnp.arange(x.shape[0]) < attn_metadata.query_start_loc[-1]
+            x = jnp.where(real[:, None], x, jnp.zeros((), x.dtype))
         if layers is not None:
             return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
         if len(self.layers) != self.config.num_hidden_layers:
