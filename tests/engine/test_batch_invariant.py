@@ -142,6 +142,11 @@ def test_row_tiles_give_the_same_bits_for_any_number_of_rows():
             assert np.array_equal(out[-ROW_TILE:], last), t
             out = np.asarray(fn(data[:t]))
             assert np.array_equal(out[:ROW_TILE], first), t
+    # An all-zero tile (the engine's padding) is skipped: zeros, the other tiles unchanged.
+    padded = x[:96].at[32:64].set(0.0)
+    out = np.asarray(matmul(padded))
+    assert not out[32:64].any()
+    np.testing.assert_array_equal(out[:32], np.asarray(matmul(x[:32])))
     # Leading dims are rows too (the dense forward's [batch, seq, in]), and odd row counts pad.
     y = x[:75].reshape(3, 25, 768)
     np.testing.assert_array_equal(
