@@ -178,6 +178,7 @@ class Attention(nnx.Module):
             attn_metadata.seq_lens,
             attn_metadata.query_start_loc,
             decode_only=attn_metadata.decode_only,
+            ragged_only=attn_metadata.ragged_only,
             scale=self.scale,
             sliding_window=self.sliding_window,
             soft_cap=self.soft_cap,

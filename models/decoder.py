@@ -184,6 +184,9 @@ class CausalLM(nnx.Module):
             if config.tie_word_embeddings
             else linear(embed_dim, config.vocab_size, bias=False, config=config, rngs=rngs)
         )
+        # The tied head's product (as nnx.Linear's dot_general): batch-invariant engines
+        # swap in a row-tiled one (paged_jax.models.batch_invariant).
+        self.head_dot_general = jax.lax.dot_general
 
     # -- family hooks -------------------------------------------------------------------
 
@@ -221,10 +224,11 @@ class CausalLM(nnx.Module):
         if self.project_out is not None:
             x = self.project_out(x)
         if self.lm_head is None:
-            logits = jnp.einsum(
-                "...e,ve->...v",
+            # "...e,ve->...v": x's last dim against the embedding's dim 1.
+            logits = self.head_dot_general(
                 x,
                 self.embed_tokens.embedding[...],
+                (((x.ndim - 1,), (1,)), ((), ())),
                 precision=matmul_precision(self.config.dtype),
             )
         else:
@@ -303,6 +307,12 @@ class CausalLM(nnx.Module):
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
         x = self.embed(token_ids, positions)
+        if attn_metadata.ragged_only:
+            # Batch-invariant steps: padding rows (past the step's tokens) are zeros, and
+            # stay zeros through bias-free layers, so row-tiled matmuls skip their tiles
+            # (paged_jax.models.batch_invariant); they are never read.
+            real = jnp.arange(x.shape[0]) < attn_metadata.query_start_loc[-1]
+            x = jnp.where(real[:, None], x, jnp.zeros((), x.dtype))
         if layers is not None:
             return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
         if len(self.layers) != self.config.num_hidden_layers:

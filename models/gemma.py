@@ -41,12 +41,13 @@ from paged_jax.models.config import (
     rope_from_hf,
 )
 from paged_jax.models.decoder import CausalLM, DecoderLayer
+from paged_jax.models.layers import RowNorm
 from paged_jax.models.llama import LLAMA_PARTITION_RULES
 from paged_jax.models.qwen3 import qk_norm_rules
 from paged_jax.models.weights import WeightRule, embedding, norm, torch_linear
 
 
-class GemmaRMSNorm(nnx.Module):
+class GemmaRMSNorm(RowNorm):
     """RMSNorm with a zero-centred weight: norm(x) * (1 + w), all in float32, then cast.
 
     Params: scale f[dim] (the checkpoint's weight w, initialised to 0).
@@ -56,7 +57,7 @@ class GemmaRMSNorm(nnx.Module):
         self.eps = eps
         self.scale = nnx.Param(jnp.zeros((dim,), dtype=dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+    def normalize(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(variance + self.eps)

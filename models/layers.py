@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from paged_jax.constants import cdiv
 from paged_jax.models.config import ModelConfig, RopeConfig
 
 
@@ -39,7 +40,43 @@ def linear(
     )
 
 
-class RMSNorm(nnx.Module):
+# Rows per tile of a batch-invariant model's row-wise reductions and matmuls
+# (paged_jax.models.batch_invariant).
+ROW_TILE = 32
+
+
+def map_row_tiles(fn, x: jax.Array) -> jax.Array:  # f[..., d] -> f[..., d_out]
+    """``fn`` over the rows of x in tiles of ROW_TILE rows, one ``lax.map`` step each.
+
+    Every call of fn sees the same f[ROW_TILE, d] shape (the last tile zero-padded), so
+    XLA compiles one program for it and a row's result cannot depend on how many rows
+    surround it: XLA's CPU backend reduces a row differently in a [16, 64] array and in a
+    [64, 64] one, and picks GEMM blockings by the whole product's shape.
+    """
+    lead, width = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, width)
+    num_rows = rows.shape[0]
+    num_tiles = cdiv(num_rows, ROW_TILE)
+    rows = jnp.pad(rows, ((0, num_tiles * ROW_TILE - num_rows), (0, 0)))
+    out = jax.lax.map(fn, rows.reshape(num_tiles, ROW_TILE, width))
+    out = out.reshape(num_tiles * ROW_TILE, out.shape[-1])[:num_rows]
+    return out.reshape(*lead, out.shape[-1])
+
+
+class RowNorm(nnx.Module):
+    """A norm over each row's last axis (``normalize``); with ``row_tiled`` set (a
+    batch-invariant engine sets it) the rows go through ``map_row_tiles``."""
+
+    row_tiled: bool = False
+
+    def normalize(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+        raise NotImplementedError
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+        return map_row_tiles(self.normalize, x) if self.row_tiled else self.normalize(x)
+
+
+class RMSNorm(RowNorm):
     """Root-mean-square norm: x / rms(x) * scale, the statistics in float32.
 
     Params: scale f[dim].
@@ -49,14 +86,14 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.scale = nnx.Param(jnp.ones((dim,), dtype=dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+    def normalize(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
         return self.scale[...] * normed
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(RowNorm):
     """Mean/variance LayerNorm with affine scale and bias, the statistics in float32.
 
     Params: scale f[dim], bias f[dim].
@@ -67,7 +104,7 @@ class LayerNorm(nnx.Module):
         self.scale = nnx.Param(jnp.ones((dim,), dtype=dtype))
         self.bias = nnx.Param(jnp.zeros((dim,), dtype=dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
+    def normalize(self, x: jax.Array) -> jax.Array:  # f[..., dim] -> f[..., dim]
         x32 = x.astype(jnp.float32)
         mean = jnp.mean(x32, axis=-1, keepdims=True)
         variance = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)

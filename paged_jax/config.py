@@ -121,6 +121,13 @@ class EngineConfig:
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
             or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}.
             Steps then run synchronously (async_scheduling gives the same outputs).
+        batch_invariant: a request's tokens and logprobs are bitwise the same whatever
+            runs beside it (other requests, how its prompt is chunked, prefix-cache hits,
+            async or sync scheduling): every step runs the one token bucket
+            max_num_batched_tokens through the general (ragged) attention path, and the
+            built-in models multiply in fixed row tiles (paged_jax.models.batch_invariant).
+            Costs throughput (docs/research_integration.md, "Batch invariance"); not with
+            speculative_config or mixture-of-experts models.
     """
 
     block_size: int = 16
@@ -149,6 +156,7 @@ class EngineConfig:
     distributed_init_timeout_s: int = 120
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -197,7 +205,7 @@ class EngineConfig:
             fail(self, "max_model_len", "None or an int >= 2")
         if isinstance(self.scan_layers, bool):  # LLM(scan_layers=True) reads naturally
             object.__setattr__(self, "scan_layers", "on" if self.scan_layers else "off")
-        for name in ("enable_prefix_caching", "async_scheduling", "validate"):
+        for name in ("enable_prefix_caching", "async_scheduling", "validate", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
         for name, allowed in (
@@ -238,6 +246,13 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig | dict):
             fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.coerce(spec))
+        if self.batch_invariant and self.speculative_config is not None:
+            fail(
+                self,
+                "batch_invariant",
+                "False with speculative_config (a verified step's rows and draws depend on "
+                "the proposals: not made batch-invariant)",
+            )
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:
@@ -276,8 +291,11 @@ class EngineConfig:
         max_num_batched_tokens (4x steps up to COARSE_TOKEN_BUCKETS_UP_TO, then 2x).
 
         A step's program is chosen by its token count alone (step_shapes), so this tuple is
-        also the list of programs warm-up builds.
+        also the list of programs warm-up builds. batch_invariant: max_num_batched_tokens
+        alone (every step runs one program).
         """
+        if self.batch_invariant:
+            return (self.max_num_batched_tokens,)
         return _power_of_two_buckets(
             min(MIN_TOKEN_BUCKET, self.max_num_batched_tokens),
             self.max_num_batched_tokens,

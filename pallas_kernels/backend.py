@@ -247,7 +247,9 @@ def get_attention_ops(
 # reference) get the decode kernel for decode-only steps and the ragged one otherwise.
 
 
-def _step_plan(ops, q, k_cache, seq_lens, query_start_loc, *, decode_only, sliding_window):
+def _step_plan(
+    ops, q, k_cache, seq_lens, query_start_loc, *, decode_only, sliding_window, route_decode=True
+):
     from pallas_kernels.decode_attention import decode_defaults
     from pallas_kernels.plan import make_plan
     from pallas_kernels.ragged_attention import ragged_block_q, ragged_defaults
@@ -267,6 +269,7 @@ def _step_plan(ops, q, k_cache, seq_lens, query_start_loc, *, decode_only, slidi
         block_q,
         decode_only,
         sliding_window,
+        route_decode,
     )
     cache = ops.plan_cache
     if cache is not None and key in cache:
@@ -280,6 +283,7 @@ def _step_plan(ops, q, k_cache, seq_lens, query_start_loc, *, decode_only, slidi
         ragged_block_q=block_q,
         decode_only=decode_only,
         sliding_window=sliding_window,
+        route_decode=route_decode,
     )
     if cache is not None:
         cache[key] = plan
@@ -296,6 +300,7 @@ def step_attention(
     query_start_loc,  # i32[num_seqs + 1]
     *,
     decode_only: bool,
+    ragged_only: bool = False,
     scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
@@ -310,6 +315,10 @@ def step_attention(
         decode_only: Static. True promises query_start_loc = [0, 1, ..., n, n, ..., n]:
             sequence i's single new token is row i; padded sequences have seq_len 0.
             Checked on device when ``ops.validate``.
+        ragged_only: Static. Every row through the ragged kernel, none through the
+            decode kernel, whose key chunks depend on the whole step's lengths (a
+            batch-invariant engine's steps; with decode_only False). The references have
+            one path already.
         Others: As in ``ragged_paged_attention``.
 
     Returns:
@@ -320,9 +329,20 @@ def step_attention(
         kw.update(k_scale=k_scale, v_scale=v_scale)
     if decode_only and ops.validate:
         check_decode_rows(query_start_loc)
+    if ragged_only and decode_only:
+        raise ValueError("ragged_only=True needs decode_only=False (one attention path)")
     if ops.takes_plan:
         return _planned_step(
-            ops, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, decode_only, kw
+            ops,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            decode_only,
+            kw,
+            route_decode=not ragged_only,
         )
     if not decode_only:
         return ops.ragged_paged_attention(
@@ -343,11 +363,24 @@ def step_attention(
     return out[:num_tokens]
 
 
-def _planned_step(ops, q, k_cache, v_cache, block_tables, seq_lens, qsl, decode_only, kw):
+def _planned_step(
+    ops, q, k_cache, v_cache, block_tables, seq_lens, qsl, decode_only, kw, route_decode=True
+):
     """step_attention through kernels that take a plan (see the comment above)."""
     plan = _step_plan(
-        ops, q, k_cache, seq_lens, qsl, decode_only=decode_only, sliding_window=kw["sliding_window"]
+        ops,
+        q,
+        k_cache,
+        seq_lens,
+        qsl,
+        decode_only=decode_only,
+        sliding_window=kw["sliding_window"],
+        route_decode=route_decode,
     )
+    if not route_decode:
+        return ops.ragged_paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, qsl, plan=plan, **kw
+        )
     num_seqs = block_tables.shape[0]
     dec = ops.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, plan=plan, **kw)
     dec_rows = dec[jnp.minimum(plan.row_seq, num_seqs - 1)]  # f[num_tokens, heads, d]

@@ -176,9 +176,19 @@ def make_plan(
     ragged_block_q: int,
     decode_only: bool,
     sliding_window: int | None = None,
+    route_decode: bool = True,
 ) -> AttentionPlan:
-    """The plan of one step: decode chunks, query blocks (unless decode-only), row maps."""
+    """The plan of one step: decode chunks, query blocks (unless decode-only), row maps.
+
+    route_decode=False (batch-invariant steps): no row is a decode row and the query
+    blocks cover the single-token sequences too, so every row goes through the ragged
+    kernel, whose key loop does not depend on the other sequences (the decode kernel's
+    key chunks are sized from the whole step's lengths).
+    """
+    assert route_decode or not decode_only, "a decode-only step routes every row to decode"
     row_seq, decode_row = row_sequences(query_start_loc, num_tokens)
+    if not route_decode:
+        decode_row = jnp.zeros_like(decode_row)
     dec = decode_items(
         seq_lens,
         query_start_loc,
@@ -188,7 +198,7 @@ def make_plan(
     )
     ragged = None
     if not decode_only:
-        ragged = ragged_items(query_start_loc, num_tokens, ragged_block_q, skip_decode=True)
+        ragged = ragged_items(query_start_loc, num_tokens, ragged_block_q, skip_decode=route_decode)
     return AttentionPlan(
         query_start_loc=query_start_loc,
         decode_items=dec,
@@ -197,5 +207,5 @@ def make_plan(
         decode_row=decode_row,
         decode_block_k=decode_block_k,
         ragged_block_q=ragged_block_q,
-        skip_decode=True,
+        skip_decode=route_decode,
     )

@@ -220,6 +220,10 @@ ENGINE_FLAGS = {
         "(a peer that never starts)",
         name="distributed-init-timeout",
     ),
+    "batch_invariant": Flag(
+        "a request's tokens and logprobs bitwise independent of the batch, its chunking "
+        "and prefix-cache hits (one bucket, fixed reduction orders; slower)"
+    ),
 }
 ENGINE_ABSENT = {
     "scheduling_policy": "the prompts file carries no request priority",

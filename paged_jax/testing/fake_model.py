@@ -95,6 +95,7 @@ class SumModel(nnx.Module):
                 attn_metadata.seq_lens,
                 attn_metadata.query_start_loc,
                 decode_only=attn_metadata.decode_only,
+                ragged_only=attn_metadata.ragged_only,
                 scale=1.0,
             )  # f32[T, 1, HEAD_DIM]: mean id of the visible context, and 1.0
             new_caches.append((k_cache, v_cache))

@@ -43,7 +43,10 @@ __all__ = ["PAD_SLOT_ID", "InputBatch", "ScheduledSeq", "StepInput", "decode_ste
 
 def decode_step_shapes(config: EngineConfig) -> list[tuple[int, int]]:
     """The (num_tokens, num_seqs) shapes a decode-only step can have: n tokens for n
-    sequences, n <= max_num_seqs, so only the token buckets up to max_num_seqs's."""
+    sequences, n <= max_num_seqs, so only the token buckets up to max_num_seqs's. None
+    under batch_invariant, whose steps all take the ragged path."""
+    if config.batch_invariant:
+        return []
     shapes = set()
     for n in range(1, config.max_num_seqs + 1):
         t = bucket_for(n, config.token_buckets)
@@ -305,6 +308,8 @@ class InputBatch:
         # position computed[i], and the per-token index arithmetic is skipped.
         decode_only = min(num_new_l) == 1 and max(num_new_l) == 1
         num_tokens = num_seqs if decode_only else int(num_new.sum())
+        # Batch-invariant steps never take the decode kernel: one attention path for all.
+        decode_kernel = decode_only and not cfg.batch_invariant
         assert num_tokens <= cfg.max_num_batched_tokens, "scheduler broke the token budget"
         # The program is chosen by the token count; its sequence dimension holds
         # min(T, max_num_seqs) >= num_seqs rows (every sequence has a token).
@@ -352,8 +357,9 @@ class InputBatch:
             seq_lens=seq_lens,
             query_start_loc=query_start_loc,
             logits_indices=logits_indices,
-            decode_only=decode_only,
+            decode_only=decode_kernel,
             validate=cfg.validate,
+            ragged_only=cfg.batch_invariant,
         )
         rows_sampling = self._rows_sampling(rows, s_pad)
         sampling = self._sampling(rows, num_out, seq_lens, rows_sampling)
@@ -518,6 +524,7 @@ class InputBatch:
             logits_indices=np.zeros(s, np.int32),
             decode_only=decode_only,
             validate=self.config.validate,
+            ragged_only=self.config.batch_invariant,
         )
         sampling = SamplingMetadata(
             temperature=np.zeros(s, np.float32),

@@ -43,6 +43,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.constants import NONFINITE_TOKEN_ID, cdiv
 from paged_jax.model_api import PagedModel
 from paged_jax.models.attention import AttentionMetadata  # registered as a pytree there
+from paged_jax.models.batch_invariant import set_row_tiled_matmuls
 from paged_jax.models.layer_scan import (
     StackedLayers,
     ids_in_every_tensor,
@@ -385,6 +386,10 @@ class Runner:
                 f"kv_cache_dtype={config.kv_cache_dtype!r} must be 'auto' with "
                 f"tensor_parallel_size={tp} (fp8 KV is single-device for now)"
             )
+        if config.batch_invariant and isinstance(model, nnx.Module):
+            # Fixed row tiles for every matmul (the model object itself is changed: its
+            # dense forward multiplies the same way). A custom PagedModel keeps its own.
+            set_row_tiled_matmuls(model)
         self.tp = TensorParallel(model, tp) if tp > 1 else None
         model = model if self.tp is None else self.tp.model
         # Layers that repeat run as one scanned body over stacked weights (built before

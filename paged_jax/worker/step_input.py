@@ -22,7 +22,7 @@ table and one slot mapping per group, and a layer reads its own group's through
     block_tables  = (i32[S, W] group 0, i32[S, W] group 1, ...)
     layer of group g:  slot_mapping, block_table = attn_metadata.for_group(g)
 
-Its flags (decode_only, validate) are static pytree metadata. The contract's earlier
+Its flags (decode_only, validate, ragged_only) are static pytree metadata. The contract's earlier
 single-group spelling (``attn_metadata.slot_mapping``) still reads group 0's for a
 one-group step, with a DeprecationWarning (docs/research_integration.md, "Model contract
 versions").
@@ -68,6 +68,9 @@ class AttentionMetadata:
             kernel (pallas_kernels.step_attention).
         validate: range-check block ids, slots and lengths on device (debug; the caller
             functionalizes the checks with checkify, as Runner does).
+        ragged_only: every row through the ragged attention kernel, a single-token
+            sequence's too (``pallas_kernels.step_attention``): the steps of a
+            batch-invariant engine (EngineConfig.batch_invariant), never decode_only.
 
     A single array given for ``slot_mappings`` or ``block_tables`` (a model with one
     KV-cache group) is taken as that one group's; a tuple always lists the groups.
@@ -80,6 +83,7 @@ class AttentionMetadata:
     logits_indices: Any
     decode_only: bool = dataclasses.field(default=False, metadata=_STATIC)
     validate: bool = dataclasses.field(default=False, metadata=_STATIC)
+    ragged_only: bool = dataclasses.field(default=False, metadata=_STATIC)
 
     def __post_init__(self):
         for name in ("slot_mappings", "block_tables"):

@@ -2,7 +2,8 @@
 
 The logprobs LLM.generate returns for its sampled tokens equal the dense forward's
 (paged_jax.training, the function a trainer differentiates) log-softmax of the same
-sequence within 1e-5 in f32, on Llama, Qwen3 and Gemma 2, in both logprobs modes:
+sequence within 1e-5 in f32, on Llama, Qwen3 and Gemma 2 (and Llama with
+batch_invariant=True), in both logprobs modes:
 "raw_logprobs" against log_softmax(logits), "processed_logprobs" against the log-softmax
 of the logits the sampler draws from (worker.sampling.apply_penalties and
 processed_logits applied to the dense logits). And the dense forward is differentiable
@@ -37,9 +38,19 @@ ENGINE = dict(
 )
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# Each family in the default mode, and Llama with batch_invariant=True (row-tiled matmuls
+# and norms, one bucket: the engine's numbers still equal the dense forward's).
+MODES = [(family, False) for family in FAMILIES] + [("llama", True)]
+
+
+@pytest.fixture(
+    scope="module",
+    params=MODES,
+    ids=[f + ("-batch-invariant" if invariant else "") for f, invariant in MODES],
+)
 def family_llm(request, tiny_hf_checkpoint):
-    llm = LLM(str(tiny_hf_checkpoint(request.param)), **ENGINE)
+    family, invariant = request.param
+    llm = LLM(str(tiny_hf_checkpoint(family)), batch_invariant=invariant, **ENGINE)
     yield llm
     del llm
 

@@ -205,6 +205,22 @@ def test_mixed_step_routes_decode_rows_and_matches_the_reference(window, cap):
     )
 
 
+def test_ragged_only_step_sends_every_row_through_the_ragged_kernel():
+    # batch_invariant engines: a decode row's key chunks must not depend on the others.
+    case = _mixed_case()
+    ops = pk.get_attention_ops("pallas_interpret").for_step()
+    args = _args(case, True)
+    out = pk.step_attention(ops, *args, decode_only=False, ragged_only=True, scale=0.125)
+    assert_close(out, naive_attention(case, scale=0.125), "float32")
+    assert not np.asarray(out[27:]).any()
+    plan = next(iter(ops.plan_cache.values()))
+    assert not np.asarray(plan.decode_row).any() and not plan.skip_decode
+    used = np.asarray(plan.ragged_items)[:, plans.ITEM_SEQ] < 6
+    assert sorted(set(np.asarray(plan.ragged_items)[used, plans.ITEM_SEQ])) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"ragged_only=True needs decode_only=False"):
+        pk.step_attention(ops, *args, decode_only=True, ragged_only=True, scale=0.125)
+
+
 def test_decode_only_step_through_the_plan():
     case = make_case(28, seq_lens=[7, 40, 1, 0], block_size=8, num_kv_heads=2, group=4, head_dim=64)
     qsl = jnp.asarray([0, 1, 2, 3, 3], jnp.int32)
