@@ -31,7 +31,7 @@ import numpy as np
 
 from paged_jax.constants import QUANTIZATIONS, cdiv
 from paged_jax.models.partitioning import PartitionRules, logical_axes
-from paged_jax.models.quantization import quantized_partition_rules, quantized_weight_rules
+from paged_jax.models.quantized_model import quantized_partition_rules, quantized_weight_rules
 from paged_jax.models.weights import WeightRule
 
 # What a fine-grained fp8 checkpoint's quantization_config may hold (transformers'

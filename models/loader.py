@@ -36,7 +36,7 @@ from paged_jax.models.partitioning import (
     tensor_parallel_config,
     tensor_parallel_weight_rules,
 )
-from paged_jax.models.quantization import replace_linears
+from paged_jax.models.quantized_model import replace_linears
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule
@@ -347,7 +347,11 @@ def _weight_table(
     if quant.prequantized:  # static activation scales: not applied (W8A16)
         names = {n: k for n, k in names.items() if not ACTIVATION_SCALE_KEY.search(k)}
     state = abstract_model(cls, config, "reference", quant)[1]
-    paths = [p[:-1] for p, _ in nnx.to_flat_state(state) if p[-1] == "qweight"]
+    # The 8-bit modules: linears (a "qweight") and MoE experts ("gate_proj_scale", ...).
+    leaves = [p for p, _ in nnx.to_flat_state(state)]
+    paths = list(
+        dict.fromkeys(p[:-1] for p in leaves if str(p[-1]).endswith(("qweight", "_scale")))
+    )
     rules = quant.weight_rules(rules, paths)
     if partition_rules is not None:
         partition_rules = quant.partition_rules(partition_rules)

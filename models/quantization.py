@@ -34,7 +34,6 @@ the model's dot_generals by interception, which does not reach our scanned layer
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -45,30 +44,23 @@ from flax import nnx
 
 from paged_jax.constants import QUANTIZATIONS, cdiv
 from paged_jax.models.layers import matmul_precision
-from paged_jax.models.partitioning import PartitionRules
-from paged_jax.models.weights import WeightRule
 
 __all__ = [
     "QUANTIZATIONS",
     "QUANTIZED_DTYPES",
+    "QuantizedExpertWeight",
+    "QuantizedExperts",
     "QuantizedLinear",
+    "batched_matmul",
     "dequantize",
-    "is_quantized",
+    "grouped_ragged_dot",
     "quantize_columns",
-    "quantize_model",
-    "quantized_linear_paths",
     "quantized_matmul",
-    "quantized_partition_rules",
-    "quantized_weight_rules",
-    "replace_linears",
 ]
 
 # The largest magnitude of each 8-bit format: the row maximum maps onto it.
 QUANT_MAX = {"int8": 127.0, "fp8": 448.0}
 QUANTIZED_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
-# Linear layers under a decoder layer that stay unquantized (small, and their outputs
-# pick experts: routers; Qwen2-MoE's one-column shared-expert gate).
-UNQUANTIZED_LINEARS = ("router", "shared_expert_gate")
 
 
 def check_quantization(quantization: Any) -> str | None:
@@ -132,6 +124,79 @@ def quantized_matmul(
     return jnp.dot(x, w, precision=precision, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class QuantizedExpertWeight:
+    """One stacked expert projection kept 8-bit: q int8 / f8[G, in, out], scale f32[G, out].
+
+    A pytree, so the grouped matmul gathers a tile's expert (``jax.tree.map(take)``) and
+    shard_map splits the experts axis of both leaves alike.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+
+jax.tree_util.register_dataclass(QuantizedExpertWeight)
+
+
+def batched_matmul(x: jax.Array, w: Any, **dot: Any) -> jax.Array:
+    """x f[t, m, d] @ w f[t, d, f] per t; w may be a QuantizedExpertWeight (scale [t, f])."""
+    if not isinstance(w, QuantizedExpertWeight):
+        return jnp.einsum("tmd,tdf->tmf", x, w, **dot)
+    dtype = dot.pop("preferred_element_type", x.dtype)
+    y = jnp.einsum(
+        "tmd,tdf->tmf", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32, **dot
+    )
+    return (y * w.scale[:, None, :]).astype(dtype)
+
+
+def grouped_ragged_dot(rows: jax.Array, w: Any, group_sizes: jax.Array, **dot: Any) -> jax.Array:
+    """jax.lax.ragged_dot of rows f[n, d] sorted by group with w f[G, d, f] (or quantized:
+    the product of q, then each row times its group's scale; rows past the groups are 0)."""
+    if not isinstance(w, QuantizedExpertWeight):
+        return jax.lax.ragged_dot(rows, w, group_sizes, **dot)
+    dtype = dot.pop("preferred_element_type", rows.dtype)
+    y = jax.lax.ragged_dot(
+        rows, w.q.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32, **dot
+    )
+    groups = w.scale.shape[0]
+    group_of_row = jnp.repeat(
+        jnp.arange(groups), group_sizes, total_repeat_length=rows.shape[0]
+    )  # rows past sum(group_sizes) repeat the last group; their product is 0 anyway
+    return (y * w.scale[group_of_row]).astype(dtype)
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class QuantizedExperts(nnx.Module):
+    """E gated experts kept 8-bit: gate/up q[E, D, F] with scales f32[E, F], down q[E, F, D]
+    with f32[E, D] (one scale per output channel of each expert, the rule's)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, method: str):
+        check_quantization(method)
+        e, d, f = num_experts, hidden, intermediate
+        dtype = QUANTIZED_DTYPES[method]
+        self.method = method
+        self.gate_proj = nnx.Param(jnp.zeros((e, d, f), dtype))
+        self.up_proj = nnx.Param(jnp.zeros((e, d, f), dtype))
+        self.down_proj = nnx.Param(jnp.zeros((e, f, d), dtype))
+        self.gate_proj_scale = nnx.Param(jnp.ones((e, f), jnp.float32))
+        self.up_proj_scale = nnx.Param(jnp.ones((e, f), jnp.float32))
+        self.down_proj_scale = nnx.Param(jnp.ones((e, d), jnp.float32))
+
+    def weights(self) -> tuple[QuantizedExpertWeight, ...]:
+        """(gate, up, down) as the grouped matmul takes them."""
+        return tuple(
+            QuantizedExpertWeight(getattr(self, n)[...], getattr(self, f"{n}_scale")[...])
+            for n in EXPERT_PROJECTIONS
+        )
+
+
 class QuantizedLinear(nnx.Module):
     """A linear layer with an 8-bit kernel: y = x @ dequantize(qweight, scale) + bias.
 
@@ -172,166 +237,3 @@ class QuantizedLinear(nnx.Module):
             precision=self.precision,
         )
         return y if self.bias is None else y + self.bias[...]
-
-
-def _parent_and_name(model: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
-    node = model
-    for part in path[:-1]:
-        node = node[part] if isinstance(part, int) else getattr(node, part)
-    return node, path[-1]
-
-
-def quantized_linear_paths(model: Any) -> list[tuple[Any, ...]]:
-    """Module paths of the linear layers a quantization replaces: every nnx.Linear under
-    ``layers`` except routers and gates (UNQUANTIZED_LINEARS), in graph order."""
-    paths = []
-    for path, node in nnx.iter_graph(model):
-        if (
-            isinstance(node, nnx.Linear)
-            and path
-            and path[0] == "layers"
-            and path[-1] not in UNQUANTIZED_LINEARS
-        ):
-            paths.append(tuple(path))
-    return paths
-
-
-def replace_linears(
-    model: Any, method: str, *, block_size: int | None = None, abstract: bool = True
-) -> list[tuple[Any, ...]]:
-    """Replaces, in place, every quantized_linear_paths layer by an empty QuantizedLinear.
-
-    Args:
-        model: a CausalLM, usually abstract (nnx.eval_shape): its new params are then
-            ShapeDtypeStructs too, filled by the loader.
-        abstract: build the new layers abstractly (nothing allocated).
-
-    Returns:
-        The replaced module paths.
-    """
-    paths = quantized_linear_paths(model)
-    dtype = model.config.dtype
-    for path in paths:
-        parent, name = _parent_and_name(model, path)
-        old = parent[name] if isinstance(name, int) else getattr(parent, name)
-        in_features, out_features = old.in_features, old.out_features
-
-        def build(i=in_features, o=out_features, b=old.bias is not None):
-            return QuantizedLinear(i, o, method=method, bias=b, dtype=dtype, block_size=block_size)
-
-        setattr(parent, name, nnx.eval_shape(build) if abstract else build())
-    return paths
-
-
-def is_quantized(model: Any) -> bool:
-    """Whether any layer of `model` holds 8-bit weights (QuantizedLinear)."""
-    return isinstance(model, nnx.Module) and any(
-        isinstance(node, QuantizedLinear) for _, node in nnx.iter_graph(model)
-    )
-
-
-def refuse_weight_updates(model: Any, what: str) -> None:
-    """Raises for a model with 8-bit weights: update_weights / load_weights would hand
-    float weights to 8-bit params (no requantization on update yet).
-
-    Raises:
-        ValueError: naming the quantization and what to do instead.
-    """
-    if not isinstance(model, nnx.Module):
-        return
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, QuantizedLinear):
-            raise ValueError(
-                f"{what}: the engine serves 8-bit weights (quantization={node.method!r}"
-                f"{', block-wise from the checkpoint' if node.block_size else ''}); updating "
-                "the weights of a quantized model is not supported: build a new LLM from "
-                "the updated checkpoint instead"
-            )
-
-
-def quantize_model(model: Any, method: str) -> Any:
-    """A copy of a loaded CausalLM with its linear layers quantized by the rule, on device.
-
-    The original model keeps its float weights (its arrays are not changed); the copy
-    shares every unquantized array with it. Used for models built in memory (random
-    weights, a model handed to LLM); load_model(quantization=...) quantizes while
-    reading instead, never holding a float copy of a whole model.
-    """
-    check_quantization(method)
-    graphdef, state = nnx.split(model)
-    copy = nnx.merge(graphdef, state)  # new module objects over the same arrays
-    for path in quantized_linear_paths(copy):
-        parent, name = _parent_and_name(copy, path)
-        old = getattr(parent, name)
-        kernel = np.asarray(old.kernel[...])
-        q, scale = quantize_columns(kernel, method)
-        new = QuantizedLinear(
-            old.in_features,
-            old.out_features,
-            method=method,
-            bias=old.bias is not None,
-            dtype=copy.config.dtype,
-        )
-        sharding = getattr(old.kernel[...], "sharding", None)
-        new.qweight[...] = jax.device_put(q, sharding)
-        new.scale[...] = jnp.asarray(scale)
-        if old.bias is not None:
-            new.bias[...] = old.bias[...]
-        setattr(parent, name, new)
-    return copy
-
-
-class _OneQuantization:
-    """Quantizes each tensor once though two rules (q and scale) read it back to back."""
-
-    def __init__(self, method: str):
-        self.method = method
-        self._key: tuple[int, int] | None = None
-        self._value: tuple[np.ndarray, np.ndarray] | None = None
-        self._held: Any = None
-
-    def __call__(self, kernel: np.ndarray, rule_id: int) -> tuple[np.ndarray, np.ndarray]:
-        key = (id(kernel), rule_id)
-        if self._key != key:
-            self._held = kernel  # keeps id(kernel) from being reused while cached
-            self._key, self._value = key, quantize_columns(kernel, self.method)
-        return self._value
-
-
-def quantized_weight_rules(
-    rules: Sequence[WeightRule], paths: Sequence[tuple[Any, ...]], method: str
-) -> list[WeightRule]:
-    """The loader's table for on-load quantization: each replaced layer's kernel rule
-    becomes a qweight rule and a scale rule over the same checkpoint tensor."""
-    replaced = {tuple(p) for p in paths}
-    cache = _OneQuantization(method)
-    out: list[WeightRule] = []
-    for rule_id, rule in enumerate(rules):
-        path = tuple(rule.param_path)
-        if path[:-1] not in replaced or path[-1] != "kernel":
-            out.append(rule)
-            continue
-
-        def q_of(a, t=rule.transform, i=rule_id):
-            return cache(np.asarray(t(a)), i)[0]
-
-        def scale_of(a, t=rule.transform, i=rule_id):
-            return cache(np.asarray(t(a)), i)[1]
-
-        out.append(dataclasses.replace(rule, param_path=(*path[:-1], "qweight"), transform=q_of))
-        out.append(dataclasses.replace(rule, param_path=(*path[:-1], "scale"), transform=scale_of))
-    return out
-
-
-def quantized_partition_rules(rules: PartitionRules, *, block_scales: bool) -> PartitionRules:
-    """`rules` extended to quantized layers: qweight split as its kernel; a per-channel
-    scale f32[out] as the kernel's output axis, a block scale f32[in/b, out/b] as the
-    kernel (each device then holds the scales of its own rows and columns)."""
-    extra = []
-    for pattern, axes in rules:
-        if pattern.endswith("kernel$") and len(axes) == 2:
-            stem = pattern[: -len("kernel$")]
-            extra.append((stem + "qweight$", axes))
-            extra.append((stem + "scale$", axes if block_scales else axes[-1:]))
-    return tuple(extra) + tuple(rules)
-

@@ -203,7 +203,7 @@ class LLM:
         else:
             check_paged_model(model)
             if config.quantization is not None:  # a quantized copy; the caller's model stays
-                from paged_jax.models.quantization import is_quantized, quantize_model
+                from paged_jax.models.quantized_model import is_quantized, quantize_model
 
                 if not is_quantized(model):
                     model = quantize_model(model, config.quantization)
@@ -731,7 +731,7 @@ class LLM:
             RuntimeError: requests are unfinished (a generate_iter in progress, another
                 thread's call): finish or abort them first.
         """
-        from paged_jax.models.quantization import refuse_weight_updates
+        from paged_jax.models.quantized_model import refuse_weight_updates
 
         refuse_weight_updates(self.model, "update_weights")
         with self._locked():
@@ -754,7 +754,7 @@ class LLM:
             RuntimeError: as update_weights.
         """
         from paged_jax.models.loader import params_from_named_tensors
-        from paged_jax.models.quantization import refuse_weight_updates
+        from paged_jax.models.quantized_model import refuse_weight_updates
 
         refuse_weight_updates(self.model, "load_weights")
 

@@ -20,6 +20,7 @@ from flax import nnx
 
 from paged_jax.models import load_model
 from paged_jax.models.quantization import (
+    QuantizedExperts,
     QuantizedLinear,
     dequantize,
     quantize_columns,
@@ -31,10 +32,16 @@ IDS = np.array([[1, 5, 9, 20, 33, 7, 64, 100], [3, 3, 90, 12, 4, 77, 18, 2]], np
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantized_linears(hf_model):
-    for name, module in hf_model.named_modules():
-        if name.split(".")[-1] in LINEARS and ".layers." in f".{name}":
-            yield name, module
+def _quantized_weights(hf_model):
+    """(module name, weight f[..., out, in]) of every weight the rule quantizes: the
+    projections' nn.Linear weights, and transformers' fused MoE experts (gate_up_proj
+    f[E, 2F, D], down_proj f[E, D, F]: rows are output channels, as in nn.Linear)."""
+    for name, param in hf_model.named_parameters():
+        module, leaf = name.rsplit(".", 1)
+        linear = leaf == "weight" and module.split(".")[-1] in LINEARS
+        fused = module.endswith(".experts") and leaf in ("gate_up_proj", "down_proj")
+        if ".layers." in name and (linear or fused):
+            yield (module if linear else name), param
 
 
 def _rule_dequantized(weight, method):
@@ -42,15 +49,15 @@ def _rule_dequantized(weight, method):
     import torch
 
     w = weight.float()
-    absmax = w.abs().amax(dim=1)
+    absmax = w.abs().amax(dim=-1)
     bound = 127.0 if method == "int8" else 448.0
     scale = torch.where(absmax > 0, absmax / bound, torch.ones_like(absmax))
-    scaled = w / scale[:, None]
+    scaled = w / scale[..., None]
     if method == "int8":
         q = torch.clamp(torch.round(scaled), -127, 127)  # round half to even
     else:
         q = scaled.to(torch.float8_e4m3fn).float()
-    return q * scale[:, None]
+    return q * scale[..., None]
 
 
 def _hf_logits_with(path, replace):
@@ -61,8 +68,8 @@ def _hf_logits_with(path, replace):
         path, attn_implementation="eager", dtype=torch.float32
     ).eval()
     with torch.no_grad():
-        for name, module in _quantized_linears(model):
-            module.weight.copy_(replace(name, module.weight))
+        for name, weight in list(_quantized_weights(model)):
+            weight.copy_(replace(name, weight))
         return model(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
 
 
@@ -99,16 +106,26 @@ def test_fused_product_equals_dequantized_product():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    "family, method",
+    [
+        ("llama", "int8"),
+        ("llama", "fp8"),
+        ("qwen3", "int8"),
+        ("qwen3", "fp8"),
+        ("qwen3_moe", "int8"),
+    ],
+)
 def test_on_load_logits_equal_dequantized_transformers(tiny_hf_checkpoint, family, method):
     path = tiny_hf_checkpoint(family)
     model = load_model(path, quantization=method)
     layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 7 * model.config.num_hidden_layers
-    assert {str(m.qweight[...].dtype) for m in layers} == {
-        "int8" if method == "int8" else "float8_e4m3fn"
-    }
+    experts = [m for _, m in nnx.iter_graph(model) if isinstance(m, QuantizedExperts)]
+    dense_mlp = 0 if experts else 3
+    assert len(layers) == (4 + dense_mlp) * model.config.num_hidden_layers
+    assert len(experts) == (model.config.num_hidden_layers if family == "qwen3_moe" else 0)
+    weights = [m.qweight[...] for m in layers] + [w.q for m in experts for w in m.weights()]
+    assert {str(w.dtype) for w in weights} == {"int8" if method == "int8" else "float8_e4m3fn"}
     want = _hf_logits_with(path, lambda _name, w: _rule_dequantized(w, method))
     got = np.asarray(model(IDS))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
@@ -220,7 +237,7 @@ import json, sys
 import numpy as np
 from paged_jax.models import load_model
 from paged_jax.worker.sharding import make_mesh
-path, ids = sys.argv[1], np.array(json.loads(sys.argv[2]), np.int32)
+path, moe_path, ids = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), np.int32)
 one = load_model(path, quantization="int8")
 two = load_model(path, quantization="int8", mesh=make_mesh(2))
 attn, mlp = two.layers[0].attn, two.layers[0].mlp
@@ -229,16 +246,21 @@ specs = {
     for name, layer in [("q", attn.q_proj), ("o", attn.o_proj), ("down", mlp.down_proj)]
 }
 diff = float(np.abs(np.asarray(one(ids)) - np.asarray(two(ids))).max())
-print(json.dumps({"specs": specs, "diff": diff}))
+moe_one = load_model(moe_path, quantization="int8")
+moe_two = load_model(moe_path, quantization="int8", mesh=make_mesh(2))
+experts = moe_two.layers[0].mlp.experts
+specs["experts"] = [list(experts.up_proj[...].sharding.spec), list(experts.up_proj_scale[...].sharding.spec)]
+moe_diff = float(np.abs(np.asarray(moe_one(ids)) - np.asarray(moe_two(ids))).max())
+print(json.dumps({"specs": specs, "diff": diff, "moe_diff": moe_diff}))
 """
 
 
 def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
-    path = tiny_hf_checkpoint("llama")
+    path, moe_path = tiny_hf_checkpoint("llama"), tiny_hf_checkpoint("qwen3_moe")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     env["JAX_PLATFORMS"] = "cpu"
     done = subprocess.run(
-        [sys.executable, "-c", _TP_SCRIPT, str(path), json.dumps(IDS.tolist())],
+        [sys.executable, "-c", _TP_SCRIPT, str(path), str(moe_path), json.dumps(IDS.tolist())],
         env=env,
         capture_output=True,
         text=True,
@@ -251,7 +273,9 @@ def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
     assert result["specs"]["q"] == [[None, "tp"], ["tp"]]
     assert result["specs"]["o"] == [["tp", None], [None]]
     assert result["specs"]["down"] == [["tp", None], [None]]
-    assert result["diff"] < 1e-5
+    # Expert parallelism: each device holds its experts' 8-bit weights and their scales.
+    assert result["specs"]["experts"] == [["tp", None, None], ["tp", None]]
+    assert result["diff"] < 1e-5 and result["moe_diff"] < 1e-5
 
 
 def test_engine_int8_weights_with_fp8_kv_cache(tiny_hf_checkpoint):
