@@ -31,6 +31,7 @@ import numpy as np
 
 from paged_jax.constants import QUANTIZATIONS, cdiv
 from paged_jax.models.partitioning import PartitionRules, logical_axes
+from paged_jax.models.quantization import EXPERT_PROJECTIONS
 from paged_jax.models.quantized_model import quantized_partition_rules, quantized_weight_rules
 from paged_jax.models.weights import WeightRule
 
@@ -138,7 +139,8 @@ def block_fp8_weight_rules(
     out: list[WeightRule] = []
     for rule in rules:
         path = tuple(rule.param_path)
-        if path[:-1] not in replaced or path[-1] != "kernel":
+        expert = path[:-1] in replaced and path[-1] in EXPERT_PROJECTIONS
+        if path[:-1] not in replaced or (path[-1] != "kernel" and not expert):
             out.append(rule)
             continue
         assert rule.hf_name.endswith(".weight") and len(rule.hf_shape) == 2, (
@@ -146,13 +148,16 @@ def block_fp8_weight_rules(
             "fp8 expects a torch nn.Linear weight f[out, in] (a bug in the family's table)"
         )
         rows, cols = rule.hf_shape
-        out.append(dataclasses.replace(rule, param_path=(*path[:-1], "qweight")))
+        q_path = path if expert else (*path[:-1], "qweight")
+        scale_path = (*path[:-1], f"{path[-1]}_scale" if expert else "scale")
+        out.append(dataclasses.replace(rule, param_path=q_path))
         out.append(
             WeightRule(
                 rule.hf_name[: -len(".weight")] + SCALE_SUFFIX,
                 (cdiv(rows, block_size), cdiv(cols, block_size)),
-                (*path[:-1], "scale"),
+                scale_path,
                 _transpose,
+                stack=rule.stack,  # an expert's scales stack with its weight
             )
         )
     return out

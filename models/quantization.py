@@ -126,7 +126,8 @@ def quantized_matmul(
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedExpertWeight:
-    """One stacked expert projection kept 8-bit: q int8 / f8[G, in, out], scale f32[G, out].
+    """One stacked expert projection kept 8-bit: q int8 / f8[G, in, out] with scale f32[G,
+    out] (per channel) or f32[G, ceil(in/b), ceil(out/b)] (block-wise fp8, block_size b).
 
     A pytree, so the grouped matmul gathers a tile's expert (``jax.tree.map(take)``) and
     shard_map splits the experts axis of both leaves alike.
@@ -134,19 +135,26 @@ class QuantizedExpertWeight:
 
     q: jax.Array
     scale: jax.Array
+    block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.q.shape
 
 
-jax.tree_util.register_dataclass(QuantizedExpertWeight)
+jax.tree_util.register_dataclass(
+    QuantizedExpertWeight, data_fields=["q", "scale"], meta_fields=["block_size"]
+)
 
 
 def batched_matmul(x: jax.Array, w: Any, **dot: Any) -> jax.Array:
     """x f[t, m, d] @ w f[t, d, f] per t; w may be a QuantizedExpertWeight (scale [t, f])."""
     if not isinstance(w, QuantizedExpertWeight):
         return jnp.einsum("tmd,tdf->tmf", x, w, **dot)
+    if w.block_size is not None:  # scales along the contraction: the tiles' experts dequantized
+        return jnp.einsum(
+            "tmd,tdf->tmf", x, dequantize(w.q, w.scale, w.block_size).astype(x.dtype), **dot
+        )
     dtype = dot.pop("preferred_element_type", x.dtype)
     y = jnp.einsum(
         "tmd,tdf->tmf", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32, **dot
@@ -159,6 +167,9 @@ def grouped_ragged_dot(rows: jax.Array, w: Any, group_sizes: jax.Array, **dot: A
     the product of q, then each row times its group's scale; rows past the groups are 0)."""
     if not isinstance(w, QuantizedExpertWeight):
         return jax.lax.ragged_dot(rows, w, group_sizes, **dot)
+    if w.block_size is not None:  # ragged_dot takes whole weights: every expert dequantized
+        weights = dequantize(w.q, w.scale, w.block_size).astype(rows.dtype)
+        return jax.lax.ragged_dot(rows, weights, group_sizes, **dot)
     dtype = dot.pop("preferred_element_type", rows.dtype)
     y = jax.lax.ragged_dot(
         rows, w.q.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32, **dot
@@ -177,22 +188,35 @@ class QuantizedExperts(nnx.Module):
     """E gated experts kept 8-bit: gate/up q[E, D, F] with scales f32[E, F], down q[E, F, D]
     with f32[E, D] (one scale per output channel of each expert, the rule's)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, *, method: str):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        method: str,
+        block_size: int | None = None,
+    ):
         check_quantization(method)
         e, d, f = num_experts, hidden, intermediate
         dtype = QUANTIZED_DTYPES[method]
         self.method = method
-        self.gate_proj = nnx.Param(jnp.zeros((e, d, f), dtype))
-        self.up_proj = nnx.Param(jnp.zeros((e, d, f), dtype))
-        self.down_proj = nnx.Param(jnp.zeros((e, f, d), dtype))
-        self.gate_proj_scale = nnx.Param(jnp.ones((e, f), jnp.float32))
-        self.up_proj_scale = nnx.Param(jnp.ones((e, f), jnp.float32))
-        self.down_proj_scale = nnx.Param(jnp.ones((e, d), jnp.float32))
+        self.block_size = block_size
+        for name, (rows, cols) in zip(EXPERT_PROJECTIONS, ((d, f), (d, f), (f, d))):
+            setattr(self, name, nnx.Param(jnp.zeros((e, rows, cols), dtype)))
+            scale = (
+                (e, cols)
+                if block_size is None
+                else (e, cdiv(rows, block_size), cdiv(cols, block_size))
+            )
+            setattr(self, f"{name}_scale", nnx.Param(jnp.ones(scale, jnp.float32)))
 
     def weights(self) -> tuple[QuantizedExpertWeight, ...]:
         """(gate, up, down) as the grouped matmul takes them."""
         return tuple(
-            QuantizedExpertWeight(getattr(self, n)[...], getattr(self, f"{n}_scale")[...])
+            QuantizedExpertWeight(
+                getattr(self, n)[...], getattr(self, f"{n}_scale")[...], self.block_size
+            )
             for n in EXPERT_PROJECTIONS
         )
 

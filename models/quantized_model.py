@@ -74,13 +74,8 @@ def quantized_linear_paths(model: Any) -> list[tuple[Any, ...]]:
 
 
 def _quantized_experts(old: Any, method: str, block_size: int | None) -> QuantizedExperts:
-    if block_size is not None:
-        raise ValueError(
-            "block-wise fp8 MoE experts are not served yet: load the float checkpoint "
-            "with quantization='fp8' (per-channel) instead"
-        )
     e, d, f = old.gate_proj.get_value().shape
-    return QuantizedExperts(e, d, f, method=method)
+    return QuantizedExperts(e, d, f, method=method, block_size=block_size)
 
 
 def replace_linears(
@@ -233,7 +228,8 @@ def quantized_partition_rules(rules: PartitionRules, *, block_scales: bool) -> P
     extra = []
     for pattern, axes in rules:
         if pattern.endswith("_proj$") and axes[:1] == ("experts",):  # stacked experts
-            extra.append((pattern[:-1] + "_scale$", ("experts", None)))
+            scale_axes = ("experts", None, None) if block_scales else ("experts", None)
+            extra.append((pattern[:-1] + "_scale$", scale_axes))
         if pattern.endswith("kernel$") and len(axes) == 2:
             stem = pattern[: -len("kernel$")]
             extra.append((stem + "qweight$", axes))

@@ -164,16 +164,12 @@ def _block_quantize(w, b):
     return q.astype(ml_dtypes.float8_e4m3fn), scale_inv
 
 
-@pytest.fixture(scope="module")
-def block_fp8_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
-    """A tiny Llama quantized block-wise (32 x 32 tiles; intermediate 80 leaves ragged
-    blocks), saved as transformers' fine-grained fp8 format, plus its dequantized weights."""
+def _write_block_fp8(src, dst, block):
+    """src's checkpoint quantized block-wise into dst (transformers' fine-grained fp8);
+    returns {module name: dequantized weight} of every quantized tensor."""
     import torch
     from safetensors.torch import load_file, save_file
 
-    block = 32
-    src = tiny_hf_checkpoint("llama", intermediate_size=80)
-    dst = tmp_path_factory.mktemp("llama_fp8_block")
     for f in src.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, dst / f.name)
@@ -184,9 +180,8 @@ def block_fp8_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
         if key.endswith(".weight") and name.split(".")[-1] in LINEARS:
             q, scale_inv = _block_quantize(value.numpy(), block)
             q32 = q.astype(np.float32)
-            expanded = np.repeat(np.repeat(scale_inv, block, 0), block, 1)[
-                : q.shape[0], : q.shape[1]
-            ]
+            rows, cols = q.shape
+            expanded = np.repeat(np.repeat(scale_inv, block, 0), block, 1)[:rows, :cols]
             dequantized[name] = torch.from_numpy(q32 * expanded)
             out[key] = torch.from_numpy(q32).to(torch.float8_e4m3fn)
             out[f"{name}.weight_scale_inv"] = torch.from_numpy(scale_inv)
@@ -200,7 +195,16 @@ def block_fp8_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
         "weight_block_size": [block, block],
     }
     (dst / "config.json").write_text(json.dumps(config))
-    return dst, src, dequantized
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def block_fp8_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """A tiny Llama quantized block-wise (32 x 32 tiles; intermediate 80 leaves ragged
+    blocks), saved as transformers' fine-grained fp8 format, plus its dequantized weights."""
+    src = tiny_hf_checkpoint("llama", intermediate_size=80)
+    dst = tmp_path_factory.mktemp("llama_fp8_block")
+    return dst, src, _write_block_fp8(src, dst, 32)
 
 
 def test_block_fp8_checkpoint_equals_dequantized_transformers(block_fp8_checkpoint):
@@ -329,3 +333,39 @@ def test_executable_cache_key_tells_quantizations_apart(tiny_hf_checkpoint):
     assert len({c["model"]["graphdef"] for c in contexts.values()}) == 3
     signatures = {m: str(arg_signature((nnx.state(model),))[1]) for m, model in models.items()}
     assert len(set(signatures.values())) == 3
+
+
+def test_block_fp8_moe_checkpoint_equals_dequantized_transformers(
+    tiny_hf_checkpoint, tmp_path_factory
+):
+    """Qwen3-MoE in block-wise fp8 (16 x 16 tiles): experts kept 8-bit with their block
+    scales; transformers' fused experts (gate_up_proj f[E, 2F, D]: gate rows, then up)
+    get the dequantized per-expert weights."""
+    import torch
+
+    src = tiny_hf_checkpoint("qwen3_moe")
+    dst = tmp_path_factory.mktemp("qwen3_moe_fp8_block")
+    dequantized = _write_block_fp8(src, dst, 16)
+    model = load_model(dst)
+    experts = model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedExperts) and experts.block_size == 16
+    assert str(experts.up_proj[...].dtype) == "float8_e4m3fn"
+
+    def replace(name, weight):
+        if not name.endswith(("gate_up_proj", "down_proj")) or ".experts." not in name + ".":
+            return dequantized[name]
+        base = name.rsplit(".", 1)[0]
+        num_experts = weight.shape[0]
+        if name.endswith("down_proj"):
+            return torch.stack([dequantized[f"{base}.{e}.down_proj"] for e in range(num_experts)])
+        return torch.stack(
+            [
+                torch.cat(
+                    [dequantized[f"{base}.{e}.gate_proj"], dequantized[f"{base}.{e}.up_proj"]]
+                )
+                for e in range(num_experts)
+            ]
+        )
+
+    want = _hf_logits_with(src, replace)
+    np.testing.assert_allclose(np.asarray(model(IDS)), want, atol=1e-4, rtol=0)
