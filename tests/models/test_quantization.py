@@ -216,8 +216,14 @@ def test_block_fp8_checkpoint_equals_dequantized_transformers(block_fp8_checkpoi
     # transformers' model of the float checkpoint, its weights set to the dequantized ones.
     want = _hf_logits_with(float_path, lambda name, _w: dequantized[name])
     np.testing.assert_allclose(np.asarray(model(IDS)), want, atol=1e-4, rtol=0)
-    with pytest.raises(ValueError, match=r"quantization='int8' cannot apply .*already fp8"):
-        load_model(path, quantization="int8")
+    from paged_jax.models.loader import check_model_dir
+
+    for refuse in (
+        lambda: load_model(path, quantization="int8"),
+        lambda: check_model_dir(path, quantization="int8"),
+    ):
+        with pytest.raises(ValueError, match=r"quantization='int8' cannot apply .*already fp8"):
+            refuse()
 
 
 def test_unsupported_quantization_config_refused_at_preflight(tiny_hf_checkpoint, tmp_path):
