@@ -289,8 +289,9 @@ def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
 
 
 def test_engine_int8_weights_with_fp8_kv_cache(tiny_hf_checkpoint):
-    """Both 8-bit features in one engine: greedy decode runs on int8 weights over an fp8
-    KV pool, and its prompt logprobs match the dense int8 forward within fp8 KV error."""
+    """Both 8-bit features in one engine (layers scanned over stacked 8-bit weights):
+    greedy decode runs on int8 weights over an fp8 KV pool, and its prompt logprobs
+    match the dense int8 forward within fp8 KV error."""
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
@@ -304,6 +305,7 @@ def test_engine_int8_weights_with_fp8_kv_cache(tiny_hf_checkpoint):
         max_num_batched_tokens=16,
         max_model_len=32,
         attention_backend="reference",
+        scan_layers="on",  # the 8-bit weights stacked by layer and scanned
     )
     assert llm.config.quantization == "int8"
     prompt = IDS[0].tolist()
