@@ -377,3 +377,21 @@ def test_block_fp8_moe_checkpoint_equals_dequantized_transformers(
 
     want = _hf_logits_with(src, replace)
     np.testing.assert_allclose(np.asarray(model(IDS)), want, atol=1e-4, rtol=0)
+
+
+def test_block_scales_must_split_on_block_edges(block_fp8_checkpoint):
+    """Tensor parallelism over a block-wise checkpoint: each device must own whole scale
+    blocks (checked before any tensor is read or placed)."""
+    from paged_jax.models.fp8_checkpoint import block_fp8_weight_rules, check_block_sharding
+    from paged_jax.models.loader import abstract_model, family_config
+    from paged_jax.models.quantized_model import quantized_linear_paths, quantized_partition_rules
+
+    path, _, _ = block_fp8_checkpoint
+    cls, config = family_config(path)
+    paths = quantized_linear_paths(nnx.merge(*abstract_model(cls, config, "reference")))
+    rules = block_fp8_weight_rules(cls.weight_rules(config), paths, 32)
+    partition = quantized_partition_rules(cls.partition_rules, block_scales=True)
+    # 2 devices x 8-wide blocks: k/v's 32 columns, q's 64, the MLP's 80 all split on edges.
+    check_block_sharding(rules, partition, 8, 2)
+    with pytest.raises(ValueError, match=r"k_proj.weight \[32, 64\] splits a dim of 32 .* 2 x"):
+        check_block_sharding(rules, partition, 32, 2)
