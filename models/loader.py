@@ -22,13 +22,21 @@ from jax.sharding import Mesh
 
 from paged_jax.models.config import ConfigFileError, ModelConfig, canonical_dtype
 from paged_jax.models.decoder import CausalLM
+from paged_jax.models.fp8_checkpoint import (
+    ACTIVATION_SCALE_KEY,
+    WeightQuantization,
+    check_block_sharding,
+    weight_quantization,
+)
 from paged_jax.models.kv_scales import KV_SCALE_KEY, as_scale_pairs, read_kv_scales
 from paged_jax.models.moe import set_expert_mesh
 from paged_jax.models.partitioning import (
+    kv_head_replication,
     param_shardings,
     tensor_parallel_config,
     tensor_parallel_weight_rules,
 )
+from paged_jax.models.quantized_model import replace_linears
 from paged_jax.models.registry import model_class_for
 from paged_jax.models.safetensors_io import SafetensorsCheckpoint
 from paged_jax.models.weights import WeightRule
@@ -158,12 +166,18 @@ def check_checkpoint(
 
 
 def abstract_model(
-    cls: type[CausalLM], config: ModelConfig, attention_backend: str
+    cls: type[CausalLM],
+    config: ModelConfig,
+    attention_backend: str,
+    quantization: WeightQuantization | None = None,
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, state of ShapeDtypeStructs) of the model, allocating nothing."""
+    """(graphdef, state of ShapeDtypeStructs) of the model, allocating nothing; with
+    `quantization`, its linear layers are 8-bit (models/quantization.py)."""
     model = nnx.eval_shape(
         lambda: cls(config, rngs=nnx.Rngs(0), attention_backend=attention_backend)
     )
+    if quantization is not None:
+        replace_linears(model, quantization.method, block_size=quantization.block_size)
     return nnx.split(model)
 
 
@@ -180,10 +194,13 @@ def fill_params(
     `place(param_path, host_array)` puts each converted array on device (default: the
     default device, cast to `dtype`); a mesh-sharded load places each shard directly.
     """
+    # Each param keeps its own dtype: `dtype` for float params, int8 / fp8 and float32
+    # for a quantized layer's weight and scales.
+    dtypes = {path: var.get_value().dtype for path, var in nnx.to_flat_state(state)}
     if place is None:
 
-        def place(_path: Any, value: np.ndarray) -> Any:
-            return jnp.asarray(value, dtype=dtype)
+        def place(path: Any, value: np.ndarray) -> Any:
+            return jnp.asarray(value, dtype=dtypes[tuple(path)])
 
     expected_paths = {path for path, _ in nnx.to_flat_state(state)}
     # A whole-param rule counts once; a stacked param's rules once together.
@@ -319,7 +336,41 @@ def params_from_named_tensors(
     return out
 
 
-def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+def _weight_table(
+    path: pathlib.Path,
+    cls: type[CausalLM],
+    config: ModelConfig,
+    names: dict[str, str],
+    quantization: str | None,
+) -> tuple[dict[str, str], list[WeightRule], Any, WeightQuantization | None]:
+    """(names, weight rules, partition rules, WeightQuantization or None) of a load:
+    the family's tables, turned 8-bit where the load quantizes (models/fp8_checkpoint.py).
+
+    Raises:
+        ValueError: an unsupported quantization_config, naming quant_method.
+    """
+    quant = weight_quantization(read_hf_config(path)[0], quantization, str(path / "config.json"))
+    rules = cls.weight_rules(config)
+    partition_rules = cls.partition_rules
+    if quant is None:
+        return names, rules, partition_rules, None
+    if quant.prequantized:  # static activation scales: not applied (W8A16)
+        names = {n: k for n, k in names.items() if not ACTIVATION_SCALE_KEY.search(k)}
+    state = abstract_model(cls, config, "reference", quant)[1]
+    # The 8-bit modules: linears (a "qweight") and MoE experts ("gate_proj_scale", ...).
+    leaves = [p for p, _ in nnx.to_flat_state(state)]
+    paths = list(
+        dict.fromkeys(p[:-1] for p in leaves if str(p[-1]).endswith(("qweight", "_scale")))
+    )
+    rules = quant.weight_rules(rules, paths)
+    if partition_rules is not None:
+        partition_rules = quant.partition_rules(partition_rules)
+    return names, rules, partition_rules, quant
+
+
+def check_model_dir(
+    path: str | pathlib.Path, dtype: str = "float32", quantization: str | None = None
+) -> ModelConfig:
     """Everything load_model checks, without reading a tensor or building the model.
 
     Reads config.json, picks the architecture, opens every safetensors header (a
@@ -332,10 +383,9 @@ def check_model_dir(path: str | pathlib.Path, dtype: str = "float32") -> ModelCo
     cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
     names = _checked_names(checkpoint, cls, config, path)
+    names, rules, _, _ = _weight_table(path, cls, config, names, quantization)
     check_checkpoint(
-        cls.weight_rules(config),
-        {name: checkpoint.shapes[key] for name, key in names.items()},
-        str(path),
+        rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
     return config
 
@@ -385,6 +435,7 @@ def load_model(
     *,
     attention_backend: str = "auto",
     mesh: Mesh | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint directory (config.json + *.safetensors).
 
@@ -397,6 +448,10 @@ def load_model(
             param is placed split by the family's partition rules straight from the
             host copy (never whole on one device), KV heads repeated when fewer than
             devices (see paged_jax.models.partitioning).
+        quantization: None, "int8" or "fp8": attention and MLP linear layers quantized
+            while read, one scale per output channel, stored 8-bit on the device. A
+            block-wise fp8 checkpoint (quantization_config quant_method "fp8") is kept
+            8-bit with its block scales whatever this says (models/fp8_checkpoint.py).
 
     Returns:
         The model; `model(input_ids)` is the dense forward, `model.config` its ModelConfig.
@@ -412,31 +467,41 @@ def load_model(
     cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
     names = _checked_names(checkpoint, cls, config, path)
-    rules = cls.weight_rules(config)
+    names, rules, partition_rules, quant = _weight_table(path, cls, config, names, quantization)
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
     place = None
     if mesh is not None:
-        if cls.partition_rules is None:
+        if partition_rules is None:
             raise ValueError(f"{cls.__name__} declares no partition_rules: no tensor parallelism")
-        rules = tensor_parallel_weight_rules(rules, cls.partition_rules, config, mesh.size)
+        if quant is not None and quant.prequantized:
+            check_block_sharding(rules, partition_rules, quant.block_size, mesh.size)
+            if kv_head_replication(config, mesh.size) > 1:
+                raise ValueError(
+                    f"tensor_parallel_size={mesh.size} exceeds num_key_value_heads="
+                    f"{config.num_key_value_heads}: a block-wise fp8 checkpoint's KV heads "
+                    "cannot be repeated across devices (their scales cover whole blocks)"
+                )
+        rules = tensor_parallel_weight_rules(rules, partition_rules, config, mesh.size)
         config = tensor_parallel_config(config, mesh.size)
     kv_scales = read_kv_scales(checkpoint.shapes, checkpoint.read, config.num_hidden_layers)
-    graphdef, state = abstract_model(cls, config, attention_backend)
+    graphdef, state = abstract_model(cls, config, attention_backend, quant)
     if mesh is not None:
-        shardings, _ = param_shardings(cls.partition_rules, state, mesh)
-        np_dtype = jnp.dtype(dtype)
+        shardings, _ = param_shardings(partition_rules, state, mesh)
+        dtypes = {tuple(p): var.get_value().dtype for p, var in nnx.to_flat_state(state)}
 
         def place(param_path: Any, value: np.ndarray) -> Any:
-            return jax.device_put(value.astype(np_dtype), shardings[tuple(param_path)])
+            param_path = tuple(param_path)
+            return jax.device_put(value.astype(dtypes[param_path]), shardings[param_path])
 
     target = np.dtype(jnp.dtype(dtype))
     casts: list[tuple[str, str, str]] = []
 
     def read(name: str) -> np.ndarray:
         array = checkpoint.read(names[name])
-        if array.dtype != target:
+        stored_quantized = quant is not None and quant.is_stored_quantized(names[name], array)
+        if array.dtype != target and not stored_quantized:
             casts.append((names[name], str(checkpoint.file_of(names[name])), array.dtype.name))
         return array
 

@@ -49,6 +49,7 @@ from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import DecoderLayer
 from paged_jax.models.layers import GatedMLP, activation, linear, matmul_precision
 from paged_jax.models.partitioning import TP_AXIS
+from paged_jax.models.quantization import batched_matmul, grouped_ragged_dot
 from paged_jax.models.weights import WeightRule, stacked_torch_linears, torch_linear
 
 ExpertMatmul = Literal["ragged_dot", "tiled"]
@@ -247,11 +248,11 @@ def tiled_grouped_matmul(
     tiles = jnp.take(rows, layout.source, axis=0).reshape(num_tiles, m, d)
     dot = dict(precision=precision, preferred_element_type=rows.dtype)
 
-    def per_tile(w):  # one expert's weights per tile
-        return jnp.take(w, layout.tile_expert, axis=0)
+    def per_tile(w):  # one expert's weights per tile (8-bit ones with their scales)
+        return jax.tree.map(lambda a: jnp.take(a, layout.tile_expert, axis=0), w)
 
-    parts = [jnp.einsum("tmd,tdf->tmf", tiles, per_tile(w), **dot) for w in weights]
-    y = jnp.einsum("tmf,tfd->tmd", combine(*parts), per_tile(last), **dot)
+    parts = [batched_matmul(tiles, per_tile(w), **dot) for w in weights]
+    y = batched_matmul(combine(*parts), per_tile(last), **dot)
     y = y.reshape(num_tiles * m, -1)
     return jnp.take(y, layout.slot, axis=0, mode="fill", fill_value=0)
 
@@ -292,10 +293,10 @@ def expert_forward(
             )
         else:
             dot = dict(precision=precision, preferred_element_type=x.dtype)
-            h = act(jax.lax.ragged_dot(rows, gate, plan.group_sizes, **dot)) * jax.lax.ragged_dot(
+            h = act(grouped_ragged_dot(rows, gate, plan.group_sizes, **dot)) * grouped_ragged_dot(
                 rows, up, plan.group_sizes, **dot
             )
-            y = jax.lax.ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
+            y = grouped_ragged_dot(h, down, plan.group_sizes, **dot)  # f[T*k, D]
     return combine_expert_outputs(y, weights, plan, x.shape[0])
 
 
@@ -313,7 +314,8 @@ def expert_parallel_forward(
         out = expert_forward(x, weights, experts, gate, up, down, first_expert=first, **static)
         return jax.lax.psum(out, TP_AXIS)
 
-    rep, split = PartitionSpec(), PartitionSpec(TP_AXIS, None, None)
+    # The experts axis leads every leaf (8-bit weights and their scales alike).
+    rep, split = PartitionSpec(), PartitionSpec(TP_AXIS)
     return jax.shard_map(
         per_device,
         mesh=mesh,
@@ -333,6 +335,10 @@ class Experts(nnx.Module):
         self.gate_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.up_proj = nnx.Param(init(rngs.params(), (e, d, f), dtype))
         self.down_proj = nnx.Param(init(rngs.params(), (e, f, d), dtype))
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(gate, up, down) as the grouped matmul takes them (QuantizedExperts: 8-bit)."""
+        return self.gate_proj[...], self.up_proj[...], self.down_proj[...]
 
 
 class SparseMoeBlock(nnx.Module):
@@ -389,11 +395,7 @@ class SparseMoeBlock(nnx.Module):
             norm_topk_prob=self.norm_topk_prob,
             weight_dtype=self.router_weight_dtype,
         )
-        params = (
-            self.experts.gate_proj[...],
-            self.experts.up_proj[...],
-            self.experts.down_proj[...],
-        )
+        params = self.experts.weights()
         static = dict(hidden_act=self.hidden_act, precision=self.precision, matmul=self.matmul())
         if self.expert_mesh is None:
             out = expert_forward(x, weights, experts, *params, **static)

@@ -14,6 +14,7 @@ from paged_jax.constants import (
     MIN_SEQ_BUCKET,
     MIN_TOKEN_BUCKET,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     SCAN_LAYERS,
     SCHEDULING_POLICIES,
     AttentionBackend,
@@ -21,6 +22,7 @@ from paged_jax.constants import (
     HashAlgo,
     KVCacheDtype,
     PreemptionMode,
+    Quantization,
     ScanLayers,
     SchedulingPolicy,
     cdiv,
@@ -83,6 +85,12 @@ class EngineConfig:
             "fp8_e5m2": an fp8 pool holds 2x the bf16 blocks (4x f32) in the same
             kv_cache_memory; per-layer K/V scales come from the checkpoint's
             k_scale/v_scale or are 1.0 (docs/fp8_kv_cache.md).
+        quantization: None (weights in dtype), "int8" or "fp8": every linear layer of
+            attention and MLP (MoE experts included) quantized on load to 8 bits, one
+            scale per output channel, and kept 8-bit on the device (weight-only, W8A16:
+            activations stay in dtype). A checkpoint quantized block-wise in fp8
+            (quantization_config quant_method "fp8") is served 8-bit whatever this says
+            (docs/quantization.md).
         seed: engine seed; requests without their own seed draw one from it.
         hash_algo: prefix-cache block hash, "sha256" or "xxhash".
         async_scheduling: keep one device step in flight: the host schedules and packs
@@ -143,6 +151,7 @@ class EngineConfig:
     attention_backend: AttentionBackend = "auto"
     dtype: Dtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
+    quantization: Quantization | None = None
     seed: int = 0
     hash_algo: HashAlgo = "sha256"
     async_scheduling: bool = True
@@ -219,6 +228,8 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 fail(self, name, f"one of {allowed}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            fail(self, "quantization", f"None or one of {QUANTIZATIONS}")
         if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             fail(self, "seed", "an int in [0, 2**32)")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:

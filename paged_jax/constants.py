@@ -25,6 +25,8 @@ KVCacheDtype = Literal["auto", "fp8", Fp8KVCacheDtype]
 HashAlgo = Literal["sha256", "xxhash"]
 # "auto" = scan on accelerators, unrolled on CPU (EngineConfig.scan_layers).
 ScanLayers = Literal["auto", "on", "off"]
+# 8-bit weights, vLLM's names: quantized on load, weight-only (docs/quantization.md).
+Quantization = Literal["int8", "fp8"]
 
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
@@ -34,6 +36,7 @@ KV_CACHE_DTYPES: tuple[str, ...] = get_args(KVCacheDtype)
 KV_CACHE_DTYPE_ALIASES: dict[str, str] = {"fp8": "fp8_e4m3"}
 HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 SCAN_LAYERS: tuple[str, ...] = get_args(ScanLayers)
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 
 MIN_TOKEN_BUCKET = 16
 # Token buckets grow 4x up to here, then 2x: padding a small step costs little (on a GPU

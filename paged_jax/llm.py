@@ -117,7 +117,8 @@ class LLM:
             gpu_memory_utilization (vLLM's: the share of the device's memory for
             weights + KV cache + activations; ignored with a warning on CPU), max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
-            seed, hash_algo, tensor_parallel_size). ``kv_cache_dtype="fp8_e4m3"`` (or
+            seed, hash_algo, tensor_parallel_size, quantization: "int8" / "fp8" 8-bit
+            weights, docs/quantization.md). ``kv_cache_dtype="fp8_e4m3"`` (or
             "fp8_e5m2") stores the KV cache in fp8 with the checkpoint's k_scale/v_scale,
             else 1.0.
 
@@ -188,7 +189,11 @@ class LLM:
 
                 mesh = make_mesh(config.tensor_parallel_size)
             self.model = load_model(
-                path, dtype=dtype, attention_backend=config.attention_backend, mesh=mesh
+                path,
+                dtype=dtype,
+                attention_backend=config.attention_backend,
+                mesh=mesh,
+                quantization=config.quantization,
             )
             # load_weights takes tensors of the checkpoint's shapes; a model loaded onto a
             # mesh repeats its KV heads when they are fewer than the devices.
@@ -204,6 +209,11 @@ class LLM:
                 self.chat_template = ChatTemplate.from_model_dir(path)
         else:
             check_paged_model(model)
+            if config.quantization is not None:  # a quantized copy; the caller's model stays
+                from paged_jax.models.quantized_model import is_quantized, quantize_model
+
+                if not is_quantized(model):
+                    model = quantize_model(model, config.quantization)
             self.model = model
             self._checkpoint_config = getattr(model, "config", None)  # never split here
             config = dataclasses.replace(config, dtype=_dtype_name(model.config.dtype))
@@ -730,6 +740,9 @@ class LLM:
             RuntimeError: requests are unfinished (a generate_iter in progress, another
                 thread's call): finish or abort them first.
         """
+        from paged_jax.models.quantized_model import refuse_weight_updates
+
+        refuse_weight_updates(self.model, "update_weights")
         with self._locked():
             self._check_idle("update_weights")
             self._live_weights().update(weights)
@@ -751,6 +764,9 @@ class LLM:
             RuntimeError: as update_weights.
         """
         from paged_jax.models.loader import params_from_named_tensors
+        from paged_jax.models.quantized_model import refuse_weight_updates
+
+        refuse_weight_updates(self.model, "load_weights")
 
         rules = getattr(type(self.model), "weight_rules", None)
         if rules is None:

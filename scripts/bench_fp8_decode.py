@@ -12,7 +12,14 @@ GB/s and the fraction of the device's peak; its output against the pure-JAX refe
 the same cache (``max_abs_err_vs_reference``) and against the bf16 cache's kernel output
 (``max_abs_diff_vs_bf16``). The JSON is written after every dtype with a "metrics" summary
 (cells_timed, fp8_max_abs_err_vs_bf16, fp8_time_over_bf16: e4m3 against bf16). Exit 1 when
-the kernel disagrees with the reference. ``--rehearse`` runs the same code on CPU with the
+the kernel disagrees with the reference.
+
+Then 8-bit weights (docs/quantization.md): the decode step's weight products, the seven
+projections of every layer of a 32-layer Llama-3-8B-shaped stack at batch 64 (attention
+itself, norms and the LM head left out: they do not change with quantization), bf16
+weights vs int8 and fp8 weights (scale on the product's output), timed the same way; the
+"weights" section and the metrics weights_int8_time_over_bf16 / weights_fp8_time_over_bf16
+(issue 43's target: <= 0.6). ``--rehearse`` runs the same code on CPU with the
 kernel in Pallas interpret mode at small shapes (its times are not kernel times); on CPU
 without it, a tiny smoke on the reference (no timing claims). Called by
 scripts/gpu_checks.sh.
@@ -204,11 +211,89 @@ def main(argv: list[str] | None = None) -> int:
               f"diff vs bf16 {cell['max_abs_diff_vs_bf16']:.2e}", flush=True)  # fmt: skip
     report["metrics"] = metrics(report["cells"])
     flush()
+    if time.monotonic() <= deadline:
+        report["weights"] = weight_products(gpu, args.reps if gpu else 1)
+        report["metrics"].update(weight_metrics(report["weights"]))
+    else:
+        report["weights"] = {"skipped": f"--time-limit={args.time_limit:.0f}s reached"}
+    flush()
     print(f"metrics {json.dumps(report['metrics'])}")
     print(
         f"wrote {args.output}{'; FAILED: the kernel disagrees with the reference' if failed else ''}"
     )
     return 1 if failed else 0
+
+
+# The decode step's projections of a Llama-3-8B layer: (in, out) of q, k, v, o, gate, up,
+# down; the rehearsal cuts every width by 16 and keeps 2 layers.
+LLAMA8B_PROJECTIONS = ((4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096),
+                       (4096, 14336), (4096, 14336), (14336, 4096))  # fmt: skip
+
+
+def weight_products(gpu: bool, reps: int) -> dict:
+    """bf16 vs int8 / fp8 weights: one pass of every layer's projections at batch 64."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax.models.quantization import QUANTIZED_DTYPES, quantized_matmul
+    from pallas_kernels import timing
+
+    cut, layers = (1, 32) if gpu else (16, 2)
+    shapes = [(i // cut, o // cut) for i, o in LLAMA8B_PROJECTIONS]
+    hidden, batch = 4096 // cut, 64
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (batch, hidden), jnp.bfloat16)
+
+    def weights(method):
+        out = []
+        for j, (i, o) in enumerate(shapes):
+            w = jax.random.normal(jax.random.fold_in(key, j), (layers, i, o), jnp.float32) * 0.02
+            if method is None:
+                out.append(w.astype(jnp.bfloat16))
+                continue
+            scale = jnp.max(jnp.abs(w), axis=-2) / (127.0 if method == "int8" else 448.0)
+            q = w / scale[:, None, :]
+            q = jnp.clip(jnp.rint(q), -127, 127) if method == "int8" else q
+            out.append((q.astype(QUANTIZED_DTYPES[method]), scale))
+        return out
+
+    def step(x, *stacked):
+        def layer(h, ws):
+            def mm(a, w):
+                if isinstance(w, tuple):
+                    return quantized_matmul(a, *w)
+                return jnp.dot(a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+            wq, wk, wv, wo, wg, wu, wd = ws
+            attn = mm(mm(h, wq), wo) + 1e-3 * (mm(h, wk).sum() + mm(h, wv).sum())
+            mlp = mm(jax.nn.silu(mm(h, wg)) * mm(h, wu), wd)
+            return (h + 1e-2 * (attn + mlp)).astype(h.dtype), None
+
+        return jax.lax.scan(layer, x, stacked)[0]
+
+    report: dict = dict(batch=batch, layers=layers, projections=shapes)
+    for name, method in (("bfloat16", None), ("int8", "int8"), ("fp8", "fp8")):
+        ws = weights(method)
+        nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(ws))
+        n = 10 if gpu else 1
+        t, _ = timing.time_loop(step, x, ws, n=n, reps=reps)
+        report[name] = dict(**t.us_stats(), seconds=t.median_s, weight_bytes=nbytes)
+        print(
+            f"weights {name:9s} {t.median_s * 1e6:9.1f} us  {nbytes / 2**20:9.1f} MiB", flush=True
+        )
+        del ws
+    return report
+
+
+def weight_metrics(weights: dict) -> dict:
+    """int8 / fp8 weight products' time over bf16's."""
+    base = weights.get("bfloat16", {}).get("seconds")
+    return {
+        f"weights_{m}_time_over_bf16": weights[m]["seconds"] / base
+        for m in ("int8", "fp8")
+        if base and "seconds" in weights.get(m, {})
+    }
 
 
 def metrics(cells: dict) -> dict:

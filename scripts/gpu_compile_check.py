@@ -183,6 +183,8 @@ class Case:
         num_layers: Step cases: the model's depth (0: the model's two layers).
         scan_layers: Step cases: EngineConfig.scan_layers (False: layers unrolled).
         expert_matmul: MoE step cases: the grouped matmul (moe.EXPERT_MATMULS).
+        quantization: Step cases: "int8" / "fp8" 8-bit weights (EngineConfig.quantization;
+            "": the model dtype's).
     """
 
     name: str
@@ -205,6 +207,7 @@ class Case:
     num_layers: int = 0
     scan_layers: bool = True
     expert_matmul: str = ""
+    quantization: str = ""
 
     @property
     def q_dtype(self) -> str:
@@ -366,12 +369,17 @@ def moe_steps() -> list[Case]:
 
 def depth_steps() -> list[Case]:
     """The Llama mixed step at the 8B model's full depth (32 layers), scanned and unrolled:
-    with the scan over layers its compile time stays near the two-layer step's."""
+    with the scan over layers its compile time stays near the two-layer step's; and the
+    decode step at batch 64 with int8 weights (W8A16, docs/quantization.md), whose
+    temporaries must stay under MAX_QUANT_TEMP_FRACTION of its 8-bit weights (no step
+    holds a dequantized copy of more than one weight matrix)."""
     return [
         Case("step-llama8b-32l-mixed-t512-s64", "step", model="llama8b", batch=64,
              context=32768, prefill=(449,), num_layers=32),
         Case("step-llama8b-32l-unrolled-mixed-t512-s64", "step", model="llama8b", batch=64,
              context=32768, prefill=(449,), num_layers=32, scan_layers=False),
+        Case("step-llama8b-32l-int8-decode-s64", "step", model="llama8b", batch=64,
+             context=32768, decode_only=True, num_layers=32, quantization="int8"),
     ]  # fmt: skip
 
 
@@ -482,6 +490,13 @@ def _failure(row: dict) -> str | None:
                 f"temporaries {temp} B >= {limit} B ({MAX_TEMP_FRACTION:.0%} of the {pool} B "
                 "KV pool): room for a copy of the pool's caches"
             )
+        quant_limit = row.get("quant_temp_limit_bytes")
+        if quant_limit is not None and temp >= quant_limit:
+            return (
+                f"temporaries {temp} B >= {quant_limit} B ({MAX_QUANT_TEMP_FRACTION:.0%} of "
+                f"the {row['weight_bytes']} B of 8-bit weights): room for dequantized copies "
+                "of more than one weight matrix"
+            )
     if (row.get("smem_bytes") or 0) > SMEM_LIMIT_BYTES:
         return f"dynamic shared memory {row['smem_bytes']} B > {SMEM_LIMIT_BYTES} B"
     spill = max(row.get("spill_bytes_nvjitlink") or 0, row.get("spill_bytes_ptxas") or 0)
@@ -537,6 +552,8 @@ ROW_KEYS = (
     "kv_pool_bytes",
     "kv_layer_bytes",
     "temp_limit_bytes",
+    "weight_bytes",
+    "quant_temp_limit_bytes",
     "argument_bytes",
     "output_bytes",
     "alias_bytes",
@@ -550,6 +567,9 @@ ROW_KEYS = (
 # activations and sampler (a Qwen3-MoE layer's experts alone take more than its KV
 # share), so there the temporaries are recorded, not judged.
 MAX_TEMP_FRACTION = 0.05
+# Quantized steps (Case.quantization): temporaries under this share of the (per-device)
+# 8-bit weights, so no step materializes a dequantized copy of its weights.
+MAX_QUANT_TEMP_FRACTION = 0.10
 MEMORY_KEYS = ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes")
 
 
@@ -1183,6 +1203,10 @@ def step_fn_and_args(case: Case, t: Target):
         hf["num_hidden_layers"] = case.num_layers
     config = cls.config_from_hf(hf, {}, "bfloat16")
     model = nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0), attention_backend="pallas"))
+    if case.quantization:  # 8-bit weights, as load_model(quantization=...) builds them
+        from paged_jax.models.quantized_model import replace_linears
+
+        replace_linears(model, case.quantization)
     if case.expert_matmul:
         set_expert_matmul(model, case.expert_matmul)
     engine_config = EngineConfig(
@@ -1195,6 +1219,7 @@ def step_fn_and_args(case: Case, t: Target):
         dtype="bfloat16",
         tensor_parallel_size=case.tp,
         scan_layers=case.scan_layers,
+        quantization=case.quantization or None,
     )
     if case.tp == 1:
         runner = Runner(model, engine_config)
@@ -1471,6 +1496,9 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
         memory = step_memory(compiled, args[1], case_layers(case)) if is_step else {}
         if is_step and case.num_layers:  # the deployment's whole pool: temporaries judged
             memory["temp_limit_bytes"] = int(MAX_TEMP_FRACTION * memory["kv_pool_bytes"])
+        if is_step and case.quantization:  # 8-bit weights: at most one matrix dequantized
+            memory["weight_bytes"] = tree_bytes(args[0])
+            memory["quant_temp_limit_bytes"] = int(MAX_QUANT_TEMP_FRACTION * memory["weight_bytes"])
         lowering = None
         if case.expert_matmul:
             from paged_jax.models.moe import EXPERT_MATMUL_SCOPE
@@ -1515,6 +1543,19 @@ def compile_case(case: Case, t: Target, tools: Toolchain) -> list[dict]:
 def case_layers(case: Case) -> int:
     """The step case's model depth (each layer keeps its own K and V)."""
     return case.num_layers or MODEL_HF[case.model]["num_hidden_layers"]
+
+
+def tree_bytes(tree) -> int:
+    """Per-device bytes of the arrays (or specs) in `tree` (a sharded leaf: one shard)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for x in jax.tree.leaves(tree):
+        sharding = getattr(x, "sharding", None)
+        shape = sharding.shard_shape(x.shape) if sharding is not None else x.shape
+        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+    return total
 
 
 def step_memory(compiled, kv_caches, num_layers: int) -> dict:

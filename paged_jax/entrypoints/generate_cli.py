@@ -193,6 +193,10 @@ ENGINE_FLAGS = {
         "auto (= --dtype) or fp8: an fp8 pool holds 2x the KV blocks of a bf16 one (the GPU "
         "default) in the same memory, 4x those of f32 (the CPU default)"
     ),
+    "quantization": Flag(
+        "8-bit weights, quantized on load (weight-only: activations stay in --dtype); a "
+        "block-wise fp8 checkpoint is served 8-bit without it (docs/quantization.md)"
+    ),
     "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),
     "async_scheduling": Flag("read each step's tokens before scheduling the next (for debugging)"),
     "scan_layers": Flag(

@@ -66,7 +66,7 @@ def check_model(
         ValueError: one line naming the file (and the field) that dooms the run.
     """
     config_file = model_dir / "config.json"
-    config = _model_config(model_dir, config_file)
+    config = _model_config(model_dir, config_file, engine_args.get("quantization"))
     tokenizer = _check_tokenizer(model_dir)
     if chat_template is None:
         chat_template = _check_chat_template(model_dir)
@@ -143,12 +143,15 @@ def check_constraint(constraint: Any, facts: ModelFacts, flag: str) -> None:
         raise ValueError(f"{flag}: the constraint is nested too deeply to compile") from None
 
 
-def _model_config(model_dir: pathlib.Path, config_file: pathlib.Path) -> Any:
-    """The checkpoint's ModelConfig after the loader's checks (weight headers included)."""
+def _model_config(
+    model_dir: pathlib.Path, config_file: pathlib.Path, quantization: str | None = None
+) -> Any:
+    """The checkpoint's ModelConfig after the loader's checks (weight headers included;
+    a quantization_config and --quantization checked together)."""
     from paged_jax.models.loader import check_model_dir
 
     try:
-        return check_model_dir(model_dir)
+        return check_model_dir(model_dir, quantization=quantization)
     except (ValueError, FileNotFoundError) as err:
         if str(model_dir) in str(err):
             raise

@@ -574,6 +574,9 @@ def _step_row(**kw):
         (dict(temp_bytes=600, temp_limit_bytes=None), "pass"),  # two layers: recorded only
         (dict(alias_bytes=None, temp_bytes=None), "fail"),  # no evidence either way
         (dict(kv_pool_bytes=None, alias_bytes=None, temp_bytes=None), "pass"),  # a kernel row
+        # 8-bit weights: temporaries under 10% of them (one dequantized matrix at most)
+        (dict(weight_bytes=1000, quant_temp_limit_bytes=100), "pass"),
+        (dict(weight_bytes=400, quant_temp_limit_bytes=40), "fail"),
     ],
 )
 def test_failure_rule_of_step_memory(kw, expected):
@@ -584,6 +587,14 @@ def test_failure_rule_of_step_memory(kw, expected):
         assert "KV pool not aliased input-to-output" in v
     if kw.get("temp_bytes") == 50:
         assert "50 B (5% of the 1000 B KV pool)" in v
+    if kw.get("weight_bytes") == 400:
+        assert "49 B >= 40 B (10% of the 400 B of 8-bit weights)" in v
+
+
+def test_ci_grid_holds_one_quantized_step():
+    quantized = [c for c in gcc.grid_ci() if c.quantization]
+    assert [c.name for c in quantized] == ["step-llama8b-32l-int8-decode-s64"]
+    assert quantized[0].num_layers == 32 and quantized[0].batch == 64
 
 
 def test_default_outputs_per_toolchain():

@@ -1,0 +1,237 @@
+"""Which layers of a model become 8-bit, and the loader's tables for them.
+
+models/quantization.py holds the rule and the 8-bit layers; this module swaps them into a
+model (abstract, before the loader fills it, or a loaded one: quantize_model), derives the
+weight table (each kernel rule becomes a q rule and a scale rule over the same tensor)
+and the partition rules (scales split with their weights), and guards live updates.
+
+Quantized: every nnx.Linear under ``layers`` (attention q/k/v/o, dense MLPs, a shared
+expert) and every MoE Experts block. Kept in the model dtype: embeddings, the LM head,
+routers and Qwen2-MoE's one-column shared-expert gate (UNQUANTIZED_LINEARS).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from paged_jax.models.moe import Experts
+from paged_jax.models.partitioning import PartitionRules
+from paged_jax.models.quantization import (
+    EXPERT_PROJECTIONS,
+    QuantizedExperts,
+    QuantizedLinear,
+    check_quantization,
+    quantize_columns,
+)
+from paged_jax.models.weights import WeightRule
+
+__all__ = [
+    "UNQUANTIZED_LINEARS",
+    "is_quantized",
+    "quantize_model",
+    "quantized_linear_paths",
+    "quantized_partition_rules",
+    "quantized_weight_rules",
+    "refuse_weight_updates",
+    "replace_linears",
+]
+
+# Linear layers under a decoder layer that stay unquantized (small, and their outputs
+# pick experts: routers; Qwen2-MoE's one-column shared-expert gate).
+UNQUANTIZED_LINEARS = ("router", "shared_expert_gate")
+
+
+def _parent_and_name(model: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
+    node = model
+    for part in path[:-1]:
+        node = node[part] if isinstance(part, int) else getattr(node, part)
+    return node, path[-1]
+
+
+def _is_experts(node: Any) -> bool:
+    return isinstance(node, Experts)
+
+
+def quantized_linear_paths(model: Any) -> list[tuple[Any, ...]]:
+    """Module paths of the layers a quantization replaces: every nnx.Linear under
+    ``layers`` except routers and gates (UNQUANTIZED_LINEARS), and every MoE Experts
+    block, in graph order."""
+    paths = []
+    for path, node in nnx.iter_graph(model):
+        if not path or path[0] != "layers":
+            continue
+        linear = isinstance(node, nnx.Linear) and path[-1] not in UNQUANTIZED_LINEARS
+        if linear or _is_experts(node):
+            paths.append(tuple(path))
+    return paths
+
+
+def _quantized_experts(old: Any, method: str, block_size: int | None) -> QuantizedExperts:
+    e, d, f = old.gate_proj.get_value().shape
+    return QuantizedExperts(e, d, f, method=method, block_size=block_size)
+
+
+def replace_linears(
+    model: Any, method: str, *, block_size: int | None = None, abstract: bool = True
+) -> list[tuple[Any, ...]]:
+    """Replaces, in place, every quantized_linear_paths layer by an empty QuantizedLinear.
+
+    Args:
+        model: a CausalLM, usually abstract (nnx.eval_shape): its new params are then
+            ShapeDtypeStructs too, filled by the loader.
+        abstract: build the new layers abstractly (nothing allocated).
+
+    Returns:
+        The replaced module paths.
+    """
+    paths = quantized_linear_paths(model)
+    dtype = model.config.dtype
+    for path in paths:
+        parent, name = _parent_and_name(model, path)
+        old = parent[name] if isinstance(name, int) else getattr(parent, name)
+        if _is_experts(old):
+            experts = nnx.eval_shape(lambda o=old: _quantized_experts(o, method, block_size))
+            setattr(parent, name, experts)
+            continue
+        in_features, out_features = old.in_features, old.out_features
+
+        def build(i=in_features, o=out_features, b=old.bias is not None):
+            return QuantizedLinear(i, o, method=method, bias=b, dtype=dtype, block_size=block_size)
+
+        setattr(parent, name, nnx.eval_shape(build) if abstract else build())
+    return paths
+
+
+def is_quantized(model: Any) -> bool:
+    """Whether any layer of `model` holds 8-bit weights (QuantizedLinear)."""
+    return isinstance(model, nnx.Module) and any(
+        isinstance(node, QuantizedLinear) for _, node in nnx.iter_graph(model)
+    )
+
+
+def refuse_weight_updates(model: Any, what: str) -> None:
+    """Raises for a model with 8-bit weights: update_weights / load_weights would hand
+    float weights to 8-bit params (no requantization on update yet).
+
+    Raises:
+        ValueError: naming the quantization and what to do instead.
+    """
+    if not isinstance(model, nnx.Module):
+        return
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, QuantizedLinear):
+            raise ValueError(
+                f"{what}: the engine serves 8-bit weights (quantization={node.method!r}"
+                f"{', block-wise from the checkpoint' if node.block_size else ''}); updating "
+                "the weights of a quantized model is not supported: build a new LLM from "
+                "the updated checkpoint instead"
+            )
+
+
+def quantize_model(model: Any, method: str) -> Any:
+    """A copy of a loaded CausalLM with its linear layers quantized by the rule, on device.
+
+    The original model keeps its float weights (its arrays are not changed); the copy
+    shares every unquantized array with it. Used for models built in memory (random
+    weights, a model handed to LLM); load_model(quantization=...) quantizes while
+    reading instead, never holding a float copy of a whole model.
+    """
+    check_quantization(method)
+    graphdef, state = nnx.split(model)
+    copy = nnx.merge(graphdef, state)  # new module objects over the same arrays
+    for path in quantized_linear_paths(copy):
+        parent, name = _parent_and_name(copy, path)
+        old = getattr(parent, name)
+        if _is_experts(old):
+            experts = _quantized_experts(old, method, None)
+            for n in EXPERT_PROJECTIONS:
+                stacked = getattr(old, n)[...]
+                q, scale = quantize_columns(np.asarray(stacked), method)
+                getattr(experts, n)[...] = jax.device_put(q, getattr(stacked, "sharding", None))
+                getattr(experts, f"{n}_scale")[...] = jnp.asarray(scale)
+            setattr(parent, name, experts)
+            continue
+        kernel = np.asarray(old.kernel[...])
+        q, scale = quantize_columns(kernel, method)
+        new = QuantizedLinear(
+            old.in_features,
+            old.out_features,
+            method=method,
+            bias=old.bias is not None,
+            dtype=copy.config.dtype,
+        )
+        sharding = getattr(old.kernel[...], "sharding", None)
+        new.qweight[...] = jax.device_put(q, sharding)
+        new.scale[...] = jnp.asarray(scale)
+        if old.bias is not None:
+            new.bias[...] = old.bias[...]
+        setattr(parent, name, new)
+    return copy
+
+
+class _OneQuantization:
+    """Quantizes each tensor once though two rules (q and scale) read it back to back."""
+
+    def __init__(self, method: str):
+        self.method = method
+        self._key: tuple[int, int] | None = None
+        self._value: tuple[np.ndarray, np.ndarray] | None = None
+        self._held: Any = None
+
+    def __call__(self, kernel: np.ndarray, rule_id: int) -> tuple[np.ndarray, np.ndarray]:
+        key = (id(kernel), rule_id)
+        if self._key != key:
+            self._held = kernel  # keeps id(kernel) from being reused while cached
+            self._key, self._value = key, quantize_columns(kernel, self.method)
+        return self._value
+
+
+def quantized_weight_rules(
+    rules: Sequence[WeightRule], paths: Sequence[tuple[Any, ...]], method: str
+) -> list[WeightRule]:
+    """The loader's table for on-load quantization: each replaced layer's kernel rule
+    becomes a qweight rule and a scale rule over the same checkpoint tensor."""
+    replaced = {tuple(p) for p in paths}
+    cache = _OneQuantization(method)
+    out: list[WeightRule] = []
+    for rule_id, rule in enumerate(rules):
+        path = tuple(rule.param_path)
+        expert = path[:-1] in replaced and path[-1] in EXPERT_PROJECTIONS
+        if path[:-1] not in replaced or (path[-1] != "kernel" and not expert):
+            out.append(rule)
+            continue
+        q_path = path if expert else (*path[:-1], "qweight")
+        scale_path = (*path[:-1], f"{path[-1]}_scale" if expert else "scale")
+
+        def q_of(a, t=rule.transform, i=rule_id):
+            return cache(np.asarray(t(a)), i)[0]
+
+        def scale_of(a, t=rule.transform, i=rule_id):
+            return cache(np.asarray(t(a)), i)[1]
+
+        out.append(dataclasses.replace(rule, param_path=q_path, transform=q_of))
+        out.append(dataclasses.replace(rule, param_path=scale_path, transform=scale_of))
+    return out
+
+
+def quantized_partition_rules(rules: PartitionRules, *, block_scales: bool) -> PartitionRules:
+    """`rules` extended to quantized layers: qweight split as its kernel; a per-channel
+    scale f32[out] as the kernel's output axis, a block scale f32[in/b, out/b] as the
+    kernel (each device then holds the scales of its own rows and columns)."""
+    extra = []
+    for pattern, axes in rules:
+        if pattern.endswith("_proj$") and axes[:1] == ("experts",):  # stacked experts
+            scale_axes = ("experts", None, None) if block_scales else ("experts", None)
+            extra.append((pattern[:-1] + "_scale$", scale_axes))
+        if pattern.endswith("kernel$") and len(axes) == 2:
+            stem = pattern[: -len("kernel$")]
+            extra.append((stem + "qweight$", axes))
+            extra.append((stem + "scale$", axes if block_scales else axes[-1:]))
+    return tuple(extra) + tuple(rules)
