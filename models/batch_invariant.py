@@ -21,6 +21,7 @@ from flax import nnx
 
 from paged_jax.models.layers import ROW_TILE, RowNorm, map_row_tiles
 from paged_jax.models.moe import SparseMoeBlock
+from paged_jax.models.quantization import QuantizedLinear
 
 __all__ = ["ROW_TILE", "map_row_tiles", "row_tiled_dot_general", "set_row_tiled_matmuls"]
 
@@ -77,7 +78,8 @@ def set_row_tiled_matmuls(model: Any) -> None:
     """Makes every nnx.Linear of `model`, its tied head and its norms work in row tiles.
 
     Raises:
-        ValueError: the model has mixture-of-experts layers, which group the step's tokens
+        ValueError: the model has 8-bit (quantized) linear layers, or it has
+            mixture-of-experts layers, which group the step's tokens
             by expert (an expert GEMM tile holds whichever tokens chose that expert), so a
             row's result depends on the batch.
     """
@@ -87,6 +89,12 @@ def set_row_tiled_matmuls(model: Any) -> None:
             f"batch_invariant=True is not supported for {type(model).__name__}: its "
             "mixture-of-experts layers group the step's tokens by expert, so a token's "
             "expert matmul depends on the other tokens of the batch (a dense model is needed)"
+        )
+    if any(isinstance(m, QuantizedLinear) for m in modules):
+        raise ValueError(
+            f"batch_invariant=True is not supported for {type(model).__name__} with 8-bit "
+            "weights (quantization, or a quantized checkpoint): its quantized products are "
+            "not row-tiled (load the unquantized weights)"
         )
     for module in modules:
         if isinstance(module, nnx.Linear):
