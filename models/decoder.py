@@ -250,6 +250,7 @@ class CausalLM(nnx.Module):
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,  # a models.layer_scan.StackedLayers: run the layers as a scan
+        lora: Any = None,  # a models.lora.LoRAStep: each token row's adapter
     ) -> tuple[jax.Array, list[KVCache]]:  # f32[num_seqs, vocab], updated caches
         """One engine step over a flat, padded batch of new tokens and a paged KV cache.
 
@@ -266,6 +267,8 @@ class CausalLM(nnx.Module):
             layers: the layers' weights stacked for a scan (StackedLayers.from_model);
                 kv_caches is then its one stacked (K, V) pair. None runs ``self.layers``
                 unrolled.
+            lora: the step's LoRA stacks and per-row adapter slots (models.lora); None:
+                the base model only.
 
         Returns:
             Logits at attn_metadata.logits_indices and the updated caches: exactly
@@ -279,6 +282,7 @@ class CausalLM(nnx.Module):
             attention_backend=attention_backend,
             kv_scales=kv_scales,
             layers=layers,
+            lora=lora,
         )
         return self.logits(x[attn_metadata.logits_indices]), new_caches
 
@@ -292,6 +296,7 @@ class CausalLM(nnx.Module):
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,
+        lora: Any = None,
     ) -> tuple[jax.Array, list[KVCache]]:  # f[num_tokens, hidden], updated caches
         """forward_paged without the head: the last layer's output at every token.
 
@@ -304,7 +309,7 @@ class CausalLM(nnx.Module):
         )
         x = self.embed(token_ids, positions)
         if layers is not None:
-            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
+            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales, lora)
         if len(self.layers) != self.config.num_hidden_layers:
             raise ValueError(
                 f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
@@ -318,6 +323,8 @@ class CausalLM(nnx.Module):
             # Layers of different groups may share a tensor (in distinct blocks); the
             # fp8 scales stay per layer.
             kv_scale = None if kv_scales is None else kv_scales[i]
+            if lora is not None:
+                layer = lora.wrap(nnx.merge(*nnx.split(layer)), lora.layer_stacks(i))
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )

@@ -121,6 +121,11 @@ class EngineConfig:
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
             or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}.
             Steps then run synchronously (async_scheduling gives the same outputs).
+        enable_lora: serve LoRA adapters (paged_jax.LoRARequest per request;
+            docs/lora.md): adapter stacks on the device and a slot per token row.
+        max_loras: adapters resident on the device at once (one batch may mix them);
+            requests of other adapters wait until a slot frees.
+        max_lora_rank: the largest adapter rank served; smaller ranks are zero-padded.
     """
 
     block_size: int = 16
@@ -149,6 +154,9 @@ class EngineConfig:
     distributed_init_timeout_s: int = 120
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if (
@@ -197,7 +205,7 @@ class EngineConfig:
             fail(self, "max_model_len", "None or an int >= 2")
         if isinstance(self.scan_layers, bool):  # LLM(scan_layers=True) reads naturally
             object.__setattr__(self, "scan_layers", "on" if self.scan_layers else "off")
-        for name in ("enable_prefix_caching", "async_scheduling", "validate"):
+        for name in ("enable_prefix_caching", "async_scheduling", "validate", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
         for name, allowed in (
@@ -232,6 +240,9 @@ class EngineConfig:
             "distributed_init_timeout_s",
             "lockstep_check_interval",
         ):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(self, name, "an int >= 1")
+        for name in ("max_loras", "max_lora_rank"):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(self, name, "an int >= 1")
         spec = self.speculative_config
