@@ -332,6 +332,8 @@ class LLM:
         self,
         prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Like generate, but yields (prompt index, output) as each prompt finishes.
 
@@ -342,19 +344,23 @@ class LLM:
         comes back as in generate: completions with finish_reason "error" and `error`
         set when all failed. Rejected prompts come first, then the rest in finish order.
 
-        The prompts are submitted at the first ``next()``. Closing the iterator before
+        ``lora_request`` is as generate's (one adapter for all prompts or one per
+        prompt). The prompts are submitted at the first ``next()``. Closing the iterator before
         its end (``close()``, leaving its for loop, dropping the last reference) aborts
         its unfinished requests; other calls may run between two ``next()`` calls.
         """
-        prompts, sampling_params = self._from_primary(prompts, sampling_params)
+        prompts, sampling_params, lora_request = self._from_primary(
+            prompts, sampling_params, lora_request
+        )
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        loras = lora_requests_per_prompt(lora_request, len(prompts))
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         with self._locked():
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
                 try:
-                    sub = self._submit(i, prompt, p)
+                    sub = self._submit(i, prompt, p, lora)
                 except ValueError as err:
                     rejected.append((i, self._error_output(i, prompt, str(err))))
                     continue
