@@ -308,7 +308,11 @@ class LLM:
         use_tqdm = use_tqdm and (not self.is_multiprocess or is_primary())
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
-        loras = lora_requests_per_prompt(lora_request, len(prompts))
+        loras = (
+            [None] * len(prompts)
+            if lora_request is None
+            else lora_requests_per_prompt(lora_request, len(prompts))
+        )
         submitted: list[tuple[str, str | None, list[int]]] = []
         with self._locked():
             try:
@@ -354,7 +358,11 @@ class LLM:
         )
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
-        loras = lora_requests_per_prompt(lora_request, len(prompts))
+        loras = (
+            [None] * len(prompts)
+            if lora_request is None
+            else lora_requests_per_prompt(lora_request, len(prompts))
+        )
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         with self._locked():
