@@ -82,3 +82,50 @@ def greedy_with_logits(model: Any, prompt: Sequence[int], max_new: int) -> tuple
     import numpy as np
 
     return ids[len(prompt) :], np.stack(logits)
+
+
+def write_numpy_peft_adapter(
+    directory: pathlib.Path,
+    *,
+    num_layers: int,
+    shapes: dict[str, tuple[int, int]],
+    rank: int,
+    target_modules: Sequence[str] = ALL_LINEAR_TARGETS,
+    seed: int = 0,
+    scale: float = 0.05,
+) -> pathlib.Path:
+    """A PEFT LoRA adapter directory written with numpy alone (no torch, no peft), in the
+    layout PEFT saves: random A and B for ``target_modules`` of every layer.
+
+    Args:
+        shapes: module -> (in, out) of the base model's projections.
+    """
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(num_layers):
+        for module in target_modules:
+            d_in, d_out = shapes[module]
+            where = "self_attn" if module in ATTENTION_TARGETS else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{where}.{module}"
+            a = scale * rng.standard_normal((rank, d_in))
+            b = scale * rng.standard_normal((d_out, rank))
+            tensors[f"{key}.lora_A.weight"] = a.astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = b.astype(np.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = dict(
+        peft_type="LORA",
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=list(target_modules),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(directory / "adapter_model.safetensors"))
+    return directory
