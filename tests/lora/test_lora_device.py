@@ -41,3 +41,29 @@ def test_lora_fields_key_the_executable_cache():
         )
     }
     assert len(keys) == 4
+
+
+def abstract(family: str):
+    from flax import nnx
+
+    from paged_jax.models.random_init import config_from_dict
+    from paged_jax.testing.tiny_models import TINY_CONFIGS
+
+    arch = {"llama": "LlamaForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[family]
+    hf = dict(TINY_CONFIGS[family], model_type=family, architectures=[arch])
+    cls, config = config_from_dict(hf)
+    return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
+
+
+def test_lora_modules_of_dense_and_moe_families():
+    from paged_jax.models.lora import lora_module_shapes
+
+    shapes, refused = lora_module_shapes(abstract("llama"))
+    assert shapes == {
+        "q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+        "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64),
+    } and refused == {}  # fmt: skip
+    shapes, refused = lora_module_shapes(abstract("qwen2_moe"))
+    assert sorted(shapes) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert sorted(refused) == ["down_proj", "gate_proj", "up_proj"]
+    assert "LoRA on MoE experts is not served" in refused["gate_proj"]
