@@ -67,3 +67,16 @@ def test_lora_modules_of_dense_and_moe_families():
     assert sorted(shapes) == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert sorted(refused) == ["down_proj", "gate_proj", "up_proj"]
     assert "LoRA on MoE experts is not served" in refused["gate_proj"]
+
+
+def test_quantized_bases_are_refused():
+    from flax import nnx
+
+    from paged_jax.models.lora import lora_module_shapes
+
+    model = abstract("llama")
+    for layer in model.layers:  # an 8-bit base: integer kernels
+        layer.attn.q_proj.kernel = nnx.Param(jnp.zeros((64, 64), jnp.int8))
+    shapes, refused = lora_module_shapes(model)
+    assert "q_proj" not in shapes and "k_proj" in shapes
+    assert "LoRA on quantized bases is not served" in refused["q_proj"]
