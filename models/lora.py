@@ -52,13 +52,28 @@ class LoRALinear:
     Plain Python (not an nnx Module): it lives only inside one traced step.
     """
 
-    def __init__(self, base: Any, a: jax.Array, b: jax.Array, slots: jax.Array, precision: Any):
-        self.base, self.a, self.b, self.slots, self.precision = base, a, b, slots, precision
+    def __init__(
+        self,
+        base: Any,
+        a: jax.Array,
+        b: jax.Array,
+        slots: jax.Array,
+        active: jax.Array,
+        precision: Any,
+    ):
+        self.base, self.a, self.b, self.precision = base, a, b, precision
+        self.slots, self.active = slots, active
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f[T, in] -> f[T, out]
         y = self.base(x)
-        delta = lora_delta(x.reshape(-1, x.shape[-1]), self.slots, self.a, self.b, self.precision)
-        return y + delta.reshape(y.shape).astype(y.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+
+        def delta() -> jax.Array:
+            d = lora_delta(x2, self.slots, self.a, self.b, self.precision)
+            return d.reshape(y.shape).astype(y.dtype)
+
+        # A step without adapter rows skips the product (same program, a runtime branch).
+        return y + jax.lax.cond(self.active, delta, lambda: jnp.zeros_like(y))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +83,12 @@ class LoRAStep:
     Attributes:
         stacks: module -> (A f[L, N, in, R], B f[L, N, R, out]).
         slots: i32[T] slot of each token row; -1 = the base model (padding rows too).
+        active: bool[]: some row has an adapter (else the products are skipped).
     """
 
     stacks: Mapping[str, tuple[jax.Array, jax.Array]]
     slots: jax.Array
+    active: jax.Array
 
     def layer_stacks(self, layer: int) -> dict[str, tuple[jax.Array, jax.Array]]:
         """Layer ``layer``'s (A f[N, in, R], B f[N, R, out]) per module."""
@@ -94,7 +111,8 @@ class LoRAStep:
             parent = layer.attn if module in ATTENTION_LORA_MODULES else layer.mlp
             base = getattr(parent, module)
             precision = getattr(base, "precision", None)
-            setattr(parent, module, LoRALinear(base, a, b, self.slots, precision))
+            wrapped = LoRALinear(base, a, b, self.slots, self.active, precision)
+            setattr(parent, module, wrapped)
         return layer
 
 
@@ -173,15 +191,12 @@ class DeviceLoRA:
     """The device stacks of an engine with enable_lora and the jitted slot write.
 
     Args:
-        shapes: module -> (in, out) of the model's projections, as adapters have them
-            (lora_module_shapes of the unsharded model).
+        shapes: module -> (in, out) of the served model's projections (lora_module_shapes).
         num_layers, max_loras, max_lora_rank: the stack sizes.
         dtype: the model's dtype.
         refused: module -> why the model takes no LoRA there (lora_module_shapes).
-        device_shapes: module -> (in, out) on the device when it differs (tensor
-            parallelism with KV heads repeated); None: ``shapes``.
-        b_transforms: module -> function of B f[L, R, out] giving the device's columns
-            (the same KV-head repeat as the base kernel's).
+        repeated_heads: module -> (head_dim, {checkpoint out dim: repeats}) for k/v
+            projections whose KV heads the model repeats (paged_jax.lora.read_peft_adapter).
         mesh, specs: under tensor parallelism, the mesh and lora_stack_specs; else None.
     """
 
@@ -194,16 +209,15 @@ class DeviceLoRA:
         dtype: Any,
         *,
         refused: Mapping[str, str] | None = None,
-        device_shapes: Mapping[str, tuple[int, int]] | None = None,
-        b_transforms: Mapping[str, Any] | None = None,
+        repeated_heads: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
         mesh: Any = None,
         specs: Mapping[str, tuple[Any, Any]] | None = None,
     ):
         self.shapes = dict(shapes)
         self.refused = dict(refused or {})
+        self.repeated_heads = dict(repeated_heads or {})
         self.num_layers = num_layers
         self.max_lora_rank = max_lora_rank
-        self.b_transforms = dict(b_transforms or {})
         self.max_loras = max_loras
         self.dtype = jnp.dtype(dtype)
         n, r = max_loras, max_lora_rank
@@ -216,7 +230,7 @@ class DeviceLoRA:
                 for m, (sa, sb) in (specs or {}).items()
             }
         stacks = {}
-        for m, (d_in, d_out) in (device_shapes or self.shapes).items():
+        for m, (d_in, d_out) in self.shapes.items():
             a = np.zeros((num_layers, n, d_in, r), self.dtype)
             b = np.zeros((num_layers, n, r, d_out), self.dtype)
             if shardings is None:
@@ -227,6 +241,7 @@ class DeviceLoRA:
         out = {} if shardings is None else dict(out_shardings=shardings)
         self._write = jax.jit(_write_slot, donate_argnums=(0,), **out)
         self._no_adapter: dict[int, jax.Array] = {}  # T -> i32[T] of -1
+        self._inactive = jax.device_put(np.bool_(False))
 
     @property
     def bytes_per_adapter(self) -> int:
@@ -245,8 +260,6 @@ class DeviceLoRA:
                     np.zeros((a.shape[0], *a.shape[2:]), self.dtype),
                     np.zeros((b.shape[0], *b.shape[2:]), self.dtype),
                 )
-            elif m in self.b_transforms:
-                pair = (pair[0], self.b_transforms[m](pair[1]))
             new[m] = (np.asarray(pair[0], self.dtype), np.asarray(pair[1], self.dtype))
         self.stacks = self._write(self.stacks, np.int32(slot), new)
 
@@ -258,7 +271,8 @@ class DeviceLoRA:
             if slots is None:
                 slots = jax.device_put(np.full(num_tokens, -1, np.int32))
                 self._no_adapter[num_tokens] = slots
-        return LoRAStep(self.stacks, slots)
+            return LoRAStep(self.stacks, slots, self._inactive)
+        return LoRAStep(self.stacks, slots, np.bool_(bool((slots >= 0).any())))
 
 
 def _write_slot(stacks: LoRAStacks, slot: jax.Array, new: LoRAStacks) -> LoRAStacks:

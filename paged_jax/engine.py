@@ -172,7 +172,11 @@ class Engine:
         device = self.runner.lora
         if device is not None:
             registry = LoRARegistry(
-                device.shapes, device.num_layers, config.max_lora_rank, device.refused
+                device.shapes,
+                device.num_layers,
+                config.max_lora_rank,
+                device.refused,
+                device.repeated_heads,
             )
             self.lora = LoRAAdapters(registry, config.max_loras, self.runner.write_lora_slot)
         self.speculator: Speculator | None = None

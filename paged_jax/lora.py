@@ -130,6 +130,7 @@ def read_peft_adapter(
     num_layers: int,
     max_lora_rank: int,
     refused: Mapping[str, str] | None = None,
+    repeated_heads: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
 ) -> LoRAAdapter:
     """Reads and checks a PEFT LoRA adapter directory for a model.
 
@@ -139,6 +140,10 @@ def read_peft_adapter(
         num_layers: the model's depth.
         max_lora_rank: the engine's largest rank.
         refused: module -> why the model cannot take LoRA there (MoE experts).
+        repeated_heads: module -> (head_dim, {checkpoint out dim: repeats}) for k/v
+            projections whose KV heads the served model repeats (tensor parallelism over
+            more devices than KV heads): an adapter's B written for the checkpoint's
+            heads gets each head's rows repeated like the kernel's.
 
     Raises:
         ValueError: naming the adapter and the field: a missing file, a rank above
@@ -200,6 +205,11 @@ def read_peft_adapter(
         if a is None or b is None:
             missing = "lora_A" if a is None else "lora_B"
             raise _fail(request, f"layers.{layer}.{module}", missing, "present (A and B pair)")
+        head_dim, repeats = (repeated_heads or {}).get(module, (0, {}))
+        if b.ndim == 2 and b.shape[0] in repeats:  # f[kv * head_dim, r] -> each head r times
+            heads = b.shape[0] // head_dim
+            b = np.repeat(b.reshape(heads, head_dim, -1), repeats[b.shape[0]], axis=0)
+            b = b.reshape(-1, b.shape[-1])
         for name, array, want in (("lora_A", a, (rank, d_in)), ("lora_B", b, (d_out, rank))):
             if array.shape != want:
                 raise _fail(
@@ -230,11 +240,13 @@ class LoRARegistry:
         num_layers: int,
         max_lora_rank: int,
         refused: Mapping[str, str] | None = None,
+        repeated_heads: Mapping[str, tuple[int, Mapping[int, int]]] | None = None,
     ):
         self.module_shapes = dict(module_shapes)
         self.num_layers = num_layers
         self.max_lora_rank = max_lora_rank
         self.refused = dict(refused or {})
+        self.repeated_heads = dict(repeated_heads or {})
         self.adapters: dict[int, LoRAAdapter] = {}
 
     def resolve(self, request: LoRARequest) -> LoRAAdapter:
@@ -256,6 +268,7 @@ class LoRARegistry:
             num_layers=self.num_layers,
             max_lora_rank=self.max_lora_rank,
             refused=self.refused,
+            repeated_heads=self.repeated_heads,
         )
         self.adapters[request.lora_int_id] = adapter
         return adapter

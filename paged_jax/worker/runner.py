@@ -50,7 +50,6 @@ from paged_jax.models.layer_scan import (
     split_without_layers,
 )
 from paged_jax.models.lora import DeviceLoRA, lora_module_shapes, lora_stack_specs
-from paged_jax.models.partitioning import kv_head_replication, repeat_kv_heads
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
@@ -146,38 +145,55 @@ def device_lora(model: Any, config: EngineConfig, tp: tuple[Any, Any] | None) ->
     """The adapter stacks of an engine with enable_lora (models.lora.DeviceLoRA).
 
     Args:
-        model: the unsharded model (its projections' shapes are the adapters').
-        tp: (mesh, sharded model) under tensor parallelism: the stacks are split like the
-            sharded model's projections (a KV-head-repeated k/v's B columns repeated too).
+        model: the model as the runner was given it.
+        tp: (mesh, sharded model) under tensor parallelism: the stacks take the sharded
+            model's shapes and are split like its projections.
     """
-    shapes, refused = lora_module_shapes(model)
+    served = model if tp is None else tp[1]
+    shapes, refused = lora_module_shapes(served)
     mesh = specs = None
-    b_transforms = {}
+    repeated = {}
     if tp is not None:
-        mesh, sharded = tp
-        specs = lora_stack_specs(sharded, shapes)
-        sharded_shapes, _ = lora_module_shapes(sharded)
-        repeats = kv_head_replication(model.config, config.tensor_parallel_size)
-        for m, (_, d_out) in shapes.items():
-            if sharded_shapes[m][1] != d_out:  # k/v heads repeated over the devices
-                b_transforms[m] = functools.partial(
-                    repeat_kv_heads, axis=2, head_dim=model.config.head_dim, repeats=repeats
-                )
-        shapes_on_device = sharded_shapes
-    else:
-        shapes_on_device = shapes
+        mesh = tp[0]
+        specs = lora_stack_specs(served, shapes)
+        repeats = kv_head_repeats(
+            int(model.config.num_key_value_heads),
+            int(served.config.num_key_value_heads),
+            config.tensor_parallel_size,
+        )
+        if repeats:
+            head_dim = int(served.config.head_dim)
+            options = {heads * head_dim: r for heads, r in repeats.items()}
+            repeated = {m: (head_dim, options) for m in ("k_proj", "v_proj") if m in shapes}
     return DeviceLoRA(
         shapes,
-        int(model.config.num_hidden_layers),
+        int(served.config.num_hidden_layers),
         config.max_loras,
         config.max_lora_rank,
-        model.config.dtype,
+        served.config.dtype,
         refused=refused,
-        device_shapes=shapes_on_device,
-        b_transforms=b_transforms,
+        repeated_heads=repeated,
         mesh=mesh,
         specs=specs,
     )
+
+
+def kv_head_repeats(given: int, served: int, tp: int) -> dict[int, int]:
+    """{checkpoint KV heads: repeats} an adapter's k/v may have been written for, when the
+    served model holds ``served`` KV heads over ``tp`` devices.
+
+    A model handed over unsharded (``given`` < ``served``) says its count; one loaded
+    already sharded (LLM(path, tensor_parallel_size=N) repeats the heads while loading)
+    does not, so every count whose repetition over ``tp`` devices gives ``served`` heads
+    is accepted (the adapter's B rows say which it is).
+    """
+    if given < served:
+        return {given: served // given}
+    return {
+        heads: served // heads
+        for heads in range(1, served)
+        if served % heads == 0 and max(1, tp // heads) == served // heads
+    }
 
 
 def scans_layers(config: EngineConfig) -> bool:
