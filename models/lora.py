@@ -140,11 +140,18 @@ def lora_module_shapes(model: Any) -> tuple[dict[str, tuple[int, int]], dict[str
     for module in LORA_MODULES:
         parent_name = "attn" if module in ATTENTION_LORA_MODULES else "mlp"
         found = [getattr(getattr(layer, parent_name, None), module, None) for layer in layers]
-        if not all(isinstance(x, nnx.Linear) for x in found):
+        if any(x is None for x in found):
             if module in MLP_LORA_MODULES and any(
                 hasattr(getattr(layer, "mlp", None), "experts") for layer in layers
             ):
                 refused[module] = "not an MoE expert projection (LoRA on MoE experts is not served)"
+            continue
+        odd = next((x for x in found if not isinstance(x, nnx.Linear)), None)
+        if odd is not None:  # a quantized or otherwise custom projection
+            refused[module] = (
+                f"a float nnx.Linear projection; this base's is a {type(odd).__name__}: LoRA "
+                "on quantized bases is not served"
+            )
             continue
         kernel = found[0].kernel
         if not jnp.issubdtype(kernel.dtype, jnp.floating):

@@ -74,9 +74,16 @@ def test_quantized_bases_are_refused():
 
     from paged_jax.models.lora import lora_module_shapes
 
+    class Int8Linear(nnx.Module):  # a quantized projection module of its own
+        def __init__(self):
+            self.kernel = nnx.Param(jnp.zeros((64, 32), jnp.int8))
+
     model = abstract("llama")
-    for layer in model.layers:  # an 8-bit base: integer kernels
+    for layer in model.layers:  # an 8-bit base: integer kernels, or a module of its own
         layer.attn.q_proj.kernel = nnx.Param(jnp.zeros((64, 64), jnp.int8))
+        layer.attn.k_proj = Int8Linear()
     shapes, refused = lora_module_shapes(model)
-    assert "q_proj" not in shapes and "k_proj" in shapes
-    assert "LoRA on quantized bases is not served" in refused["q_proj"]
+    assert "q_proj" not in shapes and "k_proj" not in shapes and "v_proj" in shapes
+    for module in ("q_proj", "k_proj"):
+        assert "LoRA on quantized bases is not served" in refused[module]
+    assert "Int8Linear" in refused["k_proj"]
