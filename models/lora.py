@@ -3,15 +3,17 @@
 Every LoRA-capable projection of every layer has one stack pair, whatever adapters sit in
 it, so any mix of adapters runs in the same compiled programs:
 
-    A  f[num_layers, max_loras, in, R]      R = max_lora_rank (an adapter's r zero-padded)
-    B  f[num_layers, max_loras, R, out]     the adapter's scaling folded in
+    A  f[num_layers, in, max_loras * R]     R = max_lora_rank (an adapter's r zero-padded);
+    B  f[num_layers, max_loras * R, out]    slot s owns columns / rows [s * R, (s + 1) * R),
+                                            the adapter's scaling folded into B
 
 A step carries one slot per token row (-1: the base model). A projection's output gains
 
-    delta[t] = (x[t] @ A[slot[t]]) @ B[slot[t]]
+    delta[t] = (x[t] @ A_s) @ B_s        s = slot[t]
 
-computed as two dense matmuls over every slot with the rows of other slots masked out
-(``lora_delta``): the gather is a one-hot mask, so shapes never depend on the mix. The
+computed as two plain matmuls over every slot's columns, the columns of other slots
+masked out in between (``lora_delta``): the gather is a mask, so shapes never depend on
+the mix. The
 step's layers are trace-local copies merged from the weights, so ``LoRAStep.wrap`` swaps a
 layer's projections for LoRALinear wrappers without touching the model.
 """
@@ -35,15 +37,16 @@ LoRAStacks = dict[str, tuple[jax.Array, jax.Array]]  # module -> (A, B), shapes 
 def lora_delta(
     x: jax.Array,  # f[T, in]
     slots: jax.Array,  # i32[T]; -1 = no adapter
-    a: jax.Array,  # f[N, in, R]
-    b: jax.Array,  # f[N, R, out]
+    a: jax.Array,  # f[in, N * R]
+    b: jax.Array,  # f[N * R, out]
+    rank: int,  # R
     precision: Any = None,
 ) -> jax.Array:  # f[T, out]
     """Each row's low-rank product through its own slot's adapter (zero for slot -1)."""
-    num_slots = a.shape[0]
-    onehot = (slots[:, None] == jnp.arange(num_slots, dtype=slots.dtype)).astype(x.dtype)
-    xa = jnp.einsum("ti,nir->tnr", x, a, precision=precision)  # f[T, N, R]
-    return jnp.einsum("tnr,nro->to", xa * onehot[:, :, None], b, precision=precision)
+    column_slot = jnp.arange(a.shape[-1], dtype=slots.dtype) // rank  # i32[N * R]
+    mask = (slots[:, None] == column_slot[None, :]).astype(x.dtype)  # f[T, N * R]
+    xa = jnp.dot(x, a, precision=precision)  # f[T, N * R]
+    return jnp.dot(xa * mask, b, precision=precision)
 
 
 class LoRALinear:
@@ -59,9 +62,10 @@ class LoRALinear:
         b: jax.Array,
         slots: jax.Array,
         active: jax.Array,
+        rank: int,
         precision: Any,
     ):
-        self.base, self.a, self.b, self.precision = base, a, b, precision
+        self.base, self.a, self.b, self.rank, self.precision = base, a, b, rank, precision
         self.slots, self.active = slots, active
 
     def __call__(self, x: jax.Array) -> jax.Array:  # f[T, in] -> f[T, out]
@@ -69,7 +73,7 @@ class LoRALinear:
         x2 = x.reshape(-1, x.shape[-1])
 
         def delta() -> jax.Array:
-            d = lora_delta(x2, self.slots, self.a, self.b, self.precision)
+            d = lora_delta(x2, self.slots, self.a, self.b, self.rank, self.precision)
             return d.reshape(y.shape).astype(y.dtype)
 
         # A step without adapter rows skips the product (same program, a runtime branch).
@@ -81,17 +85,19 @@ class LoRAStep:
     """One step's LoRA input (a pytree): the stacks and each token row's slot.
 
     Attributes:
-        stacks: module -> (A f[L, N, in, R], B f[L, N, R, out]).
+        stacks: module -> (A f[L, in, N * R], B f[L, N * R, out]).
         slots: i32[T] slot of each token row; -1 = the base model (padding rows too).
         active: bool[]: some row has an adapter (else the products are skipped).
+        rank: R, the columns of one slot (static).
     """
 
     stacks: Mapping[str, tuple[jax.Array, jax.Array]]
     slots: jax.Array
     active: jax.Array
+    rank: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     def layer_stacks(self, layer: int) -> dict[str, tuple[jax.Array, jax.Array]]:
-        """Layer ``layer``'s (A f[N, in, R], B f[N, R, out]) per module."""
+        """Layer ``layer``'s (A f[in, N * R], B f[N * R, out]) per module."""
         return {m: (a[layer], b[layer]) for m, (a, b) in self.stacks.items()}
 
     def scanned(self, period: int, num_steps: int) -> dict[str, tuple[jax.Array, jax.Array]]:
@@ -111,7 +117,7 @@ class LoRAStep:
             parent = layer.attn if module in ATTENTION_LORA_MODULES else layer.mlp
             base = getattr(parent, module)
             precision = getattr(base, "precision", None)
-            wrapped = LoRALinear(base, a, b, self.slots, self.active, precision)
+            wrapped = LoRALinear(base, a, b, self.slots, self.active, self.rank, precision)
             setattr(parent, module, wrapped)
         return layer
 
@@ -172,8 +178,8 @@ def lora_module_shapes(model: Any) -> tuple[dict[str, tuple[int, int]], dict[str
 def lora_stack_specs(model: Any, modules: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
     """Per module, the PartitionSpecs of (A, B) consistent with the base kernel's sharding.
 
-    A kernel f[in, out] split (s_in, s_out) gives A f[L, N, in, R] split (-, -, s_in, -)
-    and B f[L, N, R, out] split (-, -, -, s_out): a column-parallel projection (q/k/v,
+    A kernel f[in, out] split (s_in, s_out) gives A f[L, in, N * R] split (-, s_in, -)
+    and B f[L, N * R, out] split (-, -, s_out): a column-parallel projection (q/k/v,
     gate/up) keeps A whole and splits B's columns like its own; a row-parallel one (o,
     down) splits A's rows like its input, and XLA sums the partial products as it does
     the base's.
@@ -188,8 +194,8 @@ def lora_stack_specs(model: Any, modules: Mapping[str, Any]) -> dict[str, tuple[
         spec = getattr(sharding, "spec", None)
         s_in, s_out = (tuple(spec) + (None, None))[:2] if spec is not None else (None, None)
         specs[module] = (
-            PartitionSpec(None, None, s_in, None),
-            PartitionSpec(None, None, None, s_out),
+            PartitionSpec(None, s_in, None),
+            PartitionSpec(None, None, s_out),
         )
     return specs
 
@@ -238,8 +244,8 @@ class DeviceLoRA:
             }
         stacks = {}
         for m, (d_in, d_out) in self.shapes.items():
-            a = np.zeros((num_layers, n, d_in, r), self.dtype)
-            b = np.zeros((num_layers, n, r, d_out), self.dtype)
+            a = np.zeros((num_layers, d_in, n * r), self.dtype)
+            b = np.zeros((num_layers, n * r, d_out), self.dtype)
             if shardings is None:
                 stacks[m] = (jnp.asarray(a), jnp.asarray(b))
             else:
@@ -264,11 +270,11 @@ class DeviceLoRA:
             pair = weights.get(m)
             if pair is None:
                 pair = (
-                    np.zeros((a.shape[0], *a.shape[2:]), self.dtype),
-                    np.zeros((b.shape[0], *b.shape[2:]), self.dtype),
+                    np.zeros((a.shape[0], a.shape[1], self.max_lora_rank), self.dtype),
+                    np.zeros((b.shape[0], self.max_lora_rank, b.shape[2]), self.dtype),
                 )
             new[m] = (np.asarray(pair[0], self.dtype), np.asarray(pair[1], self.dtype))
-        self.stacks = self._write(self.stacks, np.int32(slot), new)
+        self.stacks = self._write(self.stacks, np.int32(slot * self.max_lora_rank), new)
 
     def step_input(self, slots: np.ndarray | None, num_tokens: int) -> LoRAStep:
         """The step's LoRAStep: ``slots`` i32[T], or every row on the base model (a
@@ -278,16 +284,19 @@ class DeviceLoRA:
             if slots is None:
                 slots = jax.device_put(np.full(num_tokens, -1, np.int32))
                 self._no_adapter[num_tokens] = slots
-            return LoRAStep(self.stacks, slots, self._inactive)
-        return LoRAStep(self.stacks, slots, np.bool_(bool((slots >= 0).any())))
+            return LoRAStep(self.stacks, slots, self._inactive, self.max_lora_rank)
+        active = np.bool_(bool((slots >= 0).any()))
+        return LoRAStep(self.stacks, slots, active, self.max_lora_rank)
 
 
-def _write_slot(stacks: LoRAStacks, slot: jax.Array, new: LoRAStacks) -> LoRAStacks:
-    """stacks with slot ``slot`` of every layer replaced by ``new`` (A f[L, in, R], B f[L, R, out])."""
+def _write_slot(stacks: LoRAStacks, column: jax.Array, new: LoRAStacks) -> LoRAStacks:
+    """stacks with one slot's columns of A (rows of B), starting at ``column`` = slot * R,
+    replaced by ``new`` (A f[L, in, R], B f[L, R, out]) in every layer."""
+    zero = jnp.zeros((), column.dtype)
     return {
         m: (
-            a.at[:, slot].set(new[m][0].astype(a.dtype)),
-            b.at[:, slot].set(new[m][1].astype(b.dtype)),
+            jax.lax.dynamic_update_slice(a, new[m][0].astype(a.dtype), (zero, zero, column)),
+            jax.lax.dynamic_update_slice(b, new[m][1].astype(b.dtype), (zero, column, zero)),
         )
         for m, (a, b) in stacks.items()
     }

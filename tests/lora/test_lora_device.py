@@ -21,9 +21,10 @@ def test_lora_delta_is_each_rows_own_adapter():
     a = rng.normal(size=(n, d_in, r)).astype(np.float32)
     b = rng.normal(size=(n, r, d_out)).astype(np.float32)
     slots = np.array([0, -1, 2, 1, 2, -1, 0], np.int32)
-    got = np.asarray(
-        lora_delta(jnp.asarray(x), jnp.asarray(slots), a, b, jax.lax.Precision.HIGHEST)
-    )
+    a_cat = a.transpose(1, 0, 2).reshape(d_in, n * r)  # slot s owns columns [s * r, (s + 1) * r)
+    b_cat = b.reshape(n * r, d_out)
+    got = lora_delta(jnp.asarray(x), jnp.asarray(slots), a_cat, b_cat, r, jax.lax.Precision.HIGHEST)
+    got = np.asarray(got)
     for row, slot in enumerate(slots):
         want = np.zeros(d_out) if slot < 0 else x[row] @ a[slot] @ b[slot]
         np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-5)

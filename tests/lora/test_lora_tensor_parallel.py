@@ -50,12 +50,12 @@ def test_lora_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["compiles_after_warmup"] == 0
-    # A f[L, N, in, R], B f[L, N, R, out]: axis 2 is A's input, axis 3 B's output.
+    # A f[L, in, N * R], B f[L, N * R, out]: axis 1 is A's input, axis 2 B's output.
     split = result["split_axes"]
     for module in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-        assert split[module] == [[], [3]], module
+        assert split[module] == [[], [2]], module
     for module in ("o_proj", "down_proj"):
-        assert split[module] == [[2], []], module
+        assert split[module] == [[1], []], module
     for prompt, adapter, got in zip(PROMPTS, [None, *adapters], result["tokens"]):
         want, _ = greedy_with_logits(peft_model(base, adapter), prompt, 4)
         assert got == want, adapter
