@@ -293,6 +293,22 @@ class Scheduler:
     def _admit(
         self, out: SchedulerOutput, seqs: list[ScheduledSeq], reqs: list[Request], budget: int
     ) -> None:
+        # Requests whose adapter cannot get a LoRA slot now (every slot pinned by running
+        # requests of other adapters) step aside, as in vLLM: the ones behind them may run;
+        # they go back to the head of the queue, in order, after this round.
+        lora_deferred: list[Request] = []
+        self._admit_loop(out, seqs, reqs, budget, lora_deferred)
+        for req in reversed(lora_deferred):
+            self.waiting.prepend(req)
+
+    def _admit_loop(
+        self,
+        out: SchedulerOutput,
+        seqs: list[ScheduledSeq],
+        reqs: list[Request],
+        budget: int,
+        lora_deferred: list[Request],
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
@@ -303,7 +319,8 @@ class Scheduler:
                 out.errored.append(req)
                 continue
             if self.max_loras is not None and not self._adapter_fits(req):
-                break  # every LoRA slot is pinned by running requests of other adapters
+                lora_deferred.append(self.waiting.pop())
+                continue
             swapped_tokens = self.swapped.get(req.request_id)
             if swapped_tokens is not None:
                 # Resume from host: fresh blocks for the swapped tokens and the new ones.

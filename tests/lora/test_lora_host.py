@@ -191,12 +191,13 @@ def test_scheduler_defers_adapters_without_a_slot():
     for rid, adapter in (("a", 1), ("b", None), ("c", 1), ("d", 2), ("e", 1)):
         sched.add_request(request(rid, adapter))
     out = sched.schedule()
-    # a, b, c fit (one adapter among the running); d's adapter 2 waits for adapter 1 to leave
-    assert [s.req_id for s in out.scheduled] == ["a", "b", "c"]
-    for rid in ("a", "c"):
+    # One adapter among the running: d (adapter 2) steps aside, e (adapter 1) behind it runs
+    assert [s.req_id for s in out.scheduled] == ["a", "b", "c", "e"]
+    assert [r.request_id for r in sched.waiting] == ["d"]
+    for rid in ("a", "c", "e"):
         sched.finish_request(rid, sched.requests[rid].status.FINISHED_ABORTED)
     out = sched.schedule()
-    assert "d" in [s.req_id for s in out.scheduled]
+    assert "d" in [s.req_id for s in out.scheduled]  # adapter 1 left: d gets the slot
 
 
 def test_adapter_id_keys_the_prefix_cache():
