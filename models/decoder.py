@@ -254,6 +254,7 @@ class CausalLM(nnx.Module):
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,  # a models.layer_scan.StackedLayers: run the layers as a scan
+        lora: Any = None,  # a models.lora.LoRAStep: each token row's adapter
     ) -> tuple[jax.Array, list[KVCache]]:  # f32[num_seqs, vocab], updated caches
         """One engine step over a flat, padded batch of new tokens and a paged KV cache.
 
@@ -270,6 +271,8 @@ class CausalLM(nnx.Module):
             layers: the layers' weights stacked for a scan (StackedLayers.from_model);
                 kv_caches is then its one stacked (K, V) pair. None runs ``self.layers``
                 unrolled.
+            lora: the step's LoRA stacks and per-row adapter slots (models.lora); None:
+                the base model only.
 
         Returns:
             Logits at attn_metadata.logits_indices and the updated caches: exactly
@@ -283,6 +286,7 @@ class CausalLM(nnx.Module):
             attention_backend=attention_backend,
             kv_scales=kv_scales,
             layers=layers,
+            lora=lora,
         )
         return self.logits(x[attn_metadata.logits_indices]), new_caches
 
@@ -296,6 +300,7 @@ class CausalLM(nnx.Module):
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,
+        lora: Any = None,
     ) -> tuple[jax.Array, list[KVCache]]:  # f[num_tokens, hidden], updated caches
         """forward_paged without the head: the last layer's output at every token.
 
@@ -314,7 +319,7 @@ class CausalLM(nnx.Module):
             real = jnp.arange(x.shape[0]) < attn_metadata.query_start_loc[-1]
             x = jnp.where(real[:, None], x, jnp.zeros((), x.dtype))
         if layers is not None:
-            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
+            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales, lora)
         if len(self.layers) != self.config.num_hidden_layers:
             raise ValueError(
                 f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
@@ -328,6 +333,8 @@ class CausalLM(nnx.Module):
             # Layers of different groups may share a tensor (in distinct blocks); the
             # fp8 scales stay per layer.
             kv_scale = None if kv_scales is None else kv_scales[i]
+            if lora is not None:
+                layer = lora.wrap(nnx.merge(*nnx.split(layer)), lora.layer_stacks(i))
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )

@@ -261,6 +261,7 @@ class StackedLayers:
         attn_metadata: AttentionMetadata,
         ops: Any,  # pallas_kernels.AttentionOps
         kv_scales: jax.Array | None,  # f32[num_layers, 2]; fp8 caches only
+        lora: Any = None,  # a models.lora.LoRAStep: per-row adapters, stacks by layer
     ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
         """Every layer's paged forward: the scan, then the tail; returns x and the caches."""
         plan = self.plan
@@ -290,11 +291,13 @@ class StackedLayers:
 
         def body(carry, xs):
             x, k_cache, v_cache = carry
-            states, step_tensors, step_scales = xs
+            states, step_tensors, step_scales, step_lora = xs
             # A fresh plan cache per traced body: a plan traced here must not leak out.
             body_ops = ops.for_step()
             for j in range(p):
                 layer = nnx.merge(self.graphdefs[j], states[j])
+                if lora is not None:
+                    layer = lora.wrap(layer, {m: (a[j], b[j]) for m, (a, b) in step_lora.items()})
                 scale = None if step_scales is None else step_scales[j]
                 x, k_cache, v_cache = layer_step(
                     layer, x, k_cache, v_cache, body_ops, step_tensors[j], scale
@@ -307,14 +310,22 @@ class StackedLayers:
         (x, k_cache, v_cache), _ = jax.lax.scan(
             body,
             (x, k_cache, v_cache),
-            (self.stacked, tensors[: p * n].reshape(n, p), scanned_scales),
+            (
+                self.stacked,
+                tensors[: p * n].reshape(n, p),
+                scanned_scales,
+                None if lora is None else lora.scanned(p, n),
+            ),
         )
         tail_ops = ops.for_step()
         for i, (graphdef, state) in enumerate(zip(self.tail_graphdefs, self.tail)):
             layer_idx = plan.num_scanned + i
             scale = None if kv_scales is None else kv_scales[layer_idx]
+            layer = nnx.merge(graphdef, state)
+            if lora is not None:
+                layer = lora.wrap(layer, lora.layer_stacks(layer_idx))
             x, k_cache, v_cache = layer_step(
-                nnx.merge(graphdef, state),
+                layer,
                 x,
                 k_cache,
                 v_cache,

@@ -4,7 +4,8 @@ The top level is the user's API, shaped like vLLM's: ``LLM`` and ``SamplingParam
 generate (``StructuredOutputsParams`` to constrain an output), ``BeamSearchParams`` for
 beam search, the outputs they return,
 ``EngineConfig`` / ``Engine`` / ``PagedModel`` to serve a model of one's own
-(``SpeculativeConfig`` for speculative decoding), and the
+(``SpeculativeConfig`` for speculative decoding, ``LoRARequest`` to serve an
+adapter), and the
 host block manager (``KVCacheManager``, ``BlockPool``, ``KVCacheBlock``, ``Request``)
 for research on its own. Everything else lives in ``paged_jax.core`` (host) and
 ``paged_jax.worker`` (device). Importing this package never imports jax: ``LLM`` and
@@ -23,6 +24,7 @@ from paged_jax.core.block_pool import BlockPool
 from paged_jax.core.kv_cache_block import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
+from paged_jax.lora import LoRARequest
 from paged_jax.model_api import PagedModel, PagedModelConfig
 from paged_jax.outputs import CompletionOutput, Logprob, RequestOutput
 from paged_jax.sampling_params import SamplingParams
@@ -84,6 +86,7 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheManager",
     "Logprob",
+    "LoRARequest",
     "PagedModel",
     "PagedModelConfig",
     "Request",

@@ -135,7 +135,12 @@ class EngineConfig:
             max_num_batched_tokens through the general (ragged) attention path, and the
             built-in models multiply in fixed row tiles (paged_jax.models.batch_invariant).
             Costs throughput (docs/research_integration.md, "Batch invariance"); not with
-            speculative_config or mixture-of-experts models.
+            speculative_config, enable_lora, 8-bit weights or mixture-of-experts models.
+        enable_lora: serve LoRA adapters (paged_jax.LoRARequest per request;
+            docs/lora.md): adapter stacks on the device and a slot per token row.
+        max_loras: adapters resident on the device at once (one batch may mix them);
+            requests of other adapters wait until a slot frees.
+        max_lora_rank: the largest adapter rank served; smaller ranks are zero-padded.
     """
 
     block_size: int = 16
@@ -166,6 +171,9 @@ class EngineConfig:
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
     batch_invariant: bool = False
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         if (
@@ -214,7 +222,13 @@ class EngineConfig:
             fail(self, "max_model_len", "None or an int >= 2")
         if isinstance(self.scan_layers, bool):  # LLM(scan_layers=True) reads naturally
             object.__setattr__(self, "scan_layers", "on" if self.scan_layers else "off")
-        for name in ("enable_prefix_caching", "async_scheduling", "validate", "batch_invariant"):
+        for name in (
+            "enable_prefix_caching",
+            "async_scheduling",
+            "validate",
+            "batch_invariant",
+            "enable_lora",
+        ):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
         for name, allowed in (
@@ -253,6 +267,9 @@ class EngineConfig:
         ):
             if not is_int(getattr(self, name)) or getattr(self, name) < 1:
                 fail(self, name, "an int >= 1")
+        for name in ("max_loras", "max_lora_rank"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                fail(self, name, "an int >= 1")
         spec = self.speculative_config
         if spec is not None and not isinstance(spec, SpeculativeConfig | dict):
             fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
@@ -263,6 +280,13 @@ class EngineConfig:
                 "batch_invariant",
                 "False with speculative_config (a verified step's rows and draws depend on "
                 "the proposals: not made batch-invariant)",
+            )
+        if self.batch_invariant and self.enable_lora:
+            fail(
+                self,
+                "batch_invariant",
+                "False with enable_lora=True (the adapters' low-rank products are not "
+                "row-tiled: not made batch-invariant)",
             )
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:

@@ -34,6 +34,7 @@ from paged_jax.engine_types import (
     NONFINITE_LOGITS_ERROR,
     InFlightStep,
 )
+from paged_jax.lora import LoRAAdapters, LoRARegistry, LoRARequest
 from paged_jax.model_api import check_paged_model, model_kv_cache_groups
 from paged_jax.output_processor import CompileCounts, OutputProcessor
 from paged_jax.outputs import EngineOutput
@@ -167,6 +168,17 @@ class Engine:
             self._queue, self._fork, self._abort, self._seeds.__contains__
         )
         self.structured = StructuredOutputs(tokenizer, self.vocab_size)
+        self.lora: LoRAAdapters | None = None
+        device = self.runner.lora
+        if device is not None:
+            registry = LoRARegistry(
+                device.shapes,
+                device.num_layers,
+                config.max_lora_rank,
+                device.refused,
+                device.repeated_heads,
+            )
+            self.lora = LoRAAdapters(registry, config.max_loras, self.runner.write_lora_slot)
         self.speculator: Speculator | None = None
         if proposer is not None:
             self.speculator = Speculator(
@@ -221,8 +233,12 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one request; raises ValueError (and adds nothing) on bad input.
+
+        ``lora_request`` serves the request with that LoRA adapter (enable_lora engines;
+        None: the base model); a bad adapter raises ValueError naming it.
 
         With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its n
         samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
@@ -235,6 +251,11 @@ class Engine:
         params = _sampling_params(sampling_params, SamplingParams())
         if self._id_taken(request_id):
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
+        if lora_request is not None and self.lora is None:
+            raise ValueError(
+                f"lora_request={lora_request!r} needs an engine built with enable_lora=True"
+            )
+        adapter_id = None if self.lora is None else self.lora.adapter_id(lora_request)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -244,6 +265,7 @@ class Engine:
             cache_salt=cache_salt,
             priority=priority,
             arrival_time=arrival_time,
+            adapter_id=adapter_id,
         )
         need = self.kv_cache_manager.max_blocks_per_request(
             req.num_prompt_tokens + 1, self.config.max_num_batched_tokens
@@ -504,6 +526,8 @@ class Engine:
                 step = batch.prepare(out.scheduled, out.block_copies, out.spec_token_ids)
                 if matchers:
                     step = self.structured.bitmask(step, out.scheduled, self.runner.bitmask_width)
+                if self.lora is not None:
+                    step = self.lora.step_slots(step, self._scheduled_requests(out), sched.running)
                 rows = targets = prompt = None
                 if output.prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = output.prompt_rows(out.scheduled)
@@ -516,9 +540,7 @@ class Engine:
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                requests = out.scheduled_requests
-                if len(requests) != len(out.scheduled):  # an output built by hand
-                    requests = [sched.requests[seq.req_id] for seq in out.scheduled]
+                requests = self._scheduled_requests(out)
                 launched = InFlightStep(out, requests, pending, cached, prompt or [])
                 self._num_steps += 1
             ready = launched
@@ -543,6 +565,13 @@ class Engine:
         if launched is not None or ready is not None:
             output.times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
+
+    def _scheduled_requests(self, out: SchedulerOutput) -> list[Request]:
+        """The Request of each scheduled sequence, in schedule order."""
+        requests = out.scheduled_requests
+        if len(requests) != len(out.scheduled):  # an output built by hand
+            requests = [self.scheduler.requests[seq.req_id] for seq in out.scheduled]
+        return requests
 
     def _read_in_flight(self) -> list[EngineOutput]:
         """step() without scheduling: reads the async step in flight (see step())."""
@@ -704,6 +733,8 @@ class Engine:
             self._executable_cache_dir, self._model_identity, self.config, self.runner.num_kv_blocks
         )
         self.warmup_report = self.runner.warmup(steps, on_program, cache=cache)
+        if self.lora is not None:  # warm-up wrote zeros into a slot: reload on next use
+            self.lora.slots.clear()
         if self._lockstep is not None:
             self._lockstep.warmup()
         if self.proposer is not None:

@@ -38,6 +38,7 @@ from paged_jax.distributed import (
 )
 from paged_jax.distributed import initialize as initialize_distributed
 from paged_jax.engine import Engine
+from paged_jax.lora import LoRARequest, lora_requests_per_prompt
 from paged_jax.model_api import PagedModel, check_paged_model
 from paged_jax.output_processor import request_output
 from paged_jax.outputs import EngineOutput, RequestMetrics, RequestOutput
@@ -297,6 +298,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates completions for every prompt; outputs come back in input order.
 
@@ -312,20 +314,29 @@ class LLM:
             prompts: a string, a list of token ids, or a list of either.
             sampling_params: one SamplingParams for all prompts or one per prompt.
             use_tqdm: show a progress bar with running output tokens/s.
+            lora_request: a paged_jax.LoRARequest for every prompt, or one (or None)
+                per prompt; None serves the base model (needs enable_lora=True).
 
         Raises:
-            ValueError: a bad prompt or SamplingParams, the message starting with its
-                index (``prompts[3]: ...``); nothing is run in that case.
+            ValueError: a bad prompt, SamplingParams or adapter, the message starting
+                with its index (``prompts[3]: ...``); nothing is run in that case.
         """
-        prompts, sampling_params = self._from_primary(prompts, sampling_params)
+        prompts, sampling_params, lora_request = self._from_primary(
+            prompts, sampling_params, lora_request
+        )
         use_tqdm = use_tqdm and (not self.is_multiprocess or is_primary())
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        loras = (
+            [None] * len(prompts)
+            if lora_request is None
+            else lora_requests_per_prompt(lora_request, len(prompts))
+        )
         submitted: list[tuple[str, str | None, list[int]]] = []
         with self._locked():
             try:
-                for i, (prompt, p) in enumerate(zip(prompts, params)):
-                    submitted.append(self._submit(i, prompt, p))
+                for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+                    submitted.append(self._submit(i, prompt, p, lora))
             except ValueError:
                 for rid, *_ in submitted:  # nothing ran yet: withdraw this call's requests
                     if self.engine.is_live(rid):
@@ -344,6 +355,8 @@ class LLM:
         self,
         prompts: Sequence[str | Sequence[int] | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Like generate, but yields (prompt index, output) as each prompt finishes.
 
@@ -354,19 +367,27 @@ class LLM:
         comes back as in generate: completions with finish_reason "error" and `error`
         set when all failed. Rejected prompts come first, then the rest in finish order.
 
-        The prompts are submitted at the first ``next()``. Closing the iterator before
+        ``lora_request`` is as generate's (one adapter for all prompts or one per
+        prompt). The prompts are submitted at the first ``next()``. Closing the iterator before
         its end (``close()``, leaving its for loop, dropping the last reference) aborts
         its unfinished requests; other calls may run between two ``next()`` calls.
         """
-        prompts, sampling_params = self._from_primary(prompts, sampling_params)
+        prompts, sampling_params, lora_request = self._from_primary(
+            prompts, sampling_params, lora_request
+        )
         prompts = self._as_prompt_list(prompts)
         params = self._as_params_list(sampling_params, len(prompts))
+        loras = (
+            [None] * len(prompts)
+            if lora_request is None
+            else lora_requests_per_prompt(lora_request, len(prompts))
+        )
         pending: dict[str, tuple[int, tuple, SamplingParams]] = {}
         rejected: list[tuple[int, RequestOutput]] = []
         with self._locked():
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
                 try:
-                    sub = self._submit(i, prompt, p)
+                    sub = self._submit(i, prompt, p, lora)
                 except ValueError as err:
                     rejected.append((i, self._error_output(i, prompt, str(err))))
                     continue
@@ -489,7 +510,9 @@ class LLM:
             return prompt, ids
         return None, list(prompt)
 
-    def _submit(self, i: int, prompt: Any, p: SamplingParams) -> tuple[str, str | None, list[int]]:
+    def _submit(
+        self, i: int, prompt: Any, p: SamplingParams, lora: LoRARequest | None = None
+    ) -> tuple[str, str | None, list[int]]:
         """Adds one prompt (n > 1: one parent request, see Engine.add_request); on
         ValueError nothing of it stays in the engine."""
         self._check_awake("generate")
@@ -504,7 +527,10 @@ class LLM:
             )
         rid = str(next(self._ids))
         try:
-            self.engine.add_request(rid, ids, p)
+            if lora is None:
+                self.engine.add_request(rid, ids, p)
+            else:
+                self.engine.add_request(rid, ids, p, lora_request=lora)
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
         return rid, text, ids

@@ -25,6 +25,7 @@ PUBLIC = {
     "RequestOutput": "paged_jax.outputs",
     "CompletionOutput": "paged_jax.outputs",
     "Logprob": "paged_jax.outputs",
+    "LoRARequest": "paged_jax.lora",
     "PagedModel": "paged_jax.model_api",
     "PagedModelConfig": "paged_jax.model_api",
     "KVCacheManager": "paged_jax.core.kv_cache_manager",

@@ -283,6 +283,7 @@ def new_request(
     cache_salt: str | None = None,
     priority: int = 0,
     arrival_time: float | None = None,
+    adapter_id: int | str | None = None,
 ) -> Request:
     """A new request checked against the model (what fork_child checks for a fork): its
     token ids < vocab_size and its prompt < max_model_len, leaving room for at least one
@@ -298,6 +299,7 @@ def new_request(
         cache_salt=cache_salt,
         priority=priority,
         arrival_time=arrival_time,
+        adapter_id=adapter_id,
     )
     _check_vocab(req.prompt_token_ids, vocab_size, "prompt_token_ids")
     if req.num_prompt_tokens >= max_model_len:

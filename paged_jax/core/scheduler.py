@@ -23,6 +23,7 @@ from paged_jax.core.copy_on_write import BlockCopies
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler_output import NewRow, ScheduledSeq, SchedulerOutput
+from paged_jax.lora import AdapterSlots
 
 
 class _WaitingQueue:
@@ -108,6 +109,9 @@ class Scheduler:
         # Requests whose block tables lost their tail after a rejection (update_from_output);
         # the engine shortens their input-batch rows and clears this.
         self.trimmed_req_ids: list[str] = []
+        # Multi-LoRA: at most max_loras distinct adapters among running requests (each
+        # holds a device slot while it runs); None: LoRA off.
+        self.max_loras = config.max_loras if config.enable_lora else None
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, req: Request) -> None:
@@ -289,6 +293,22 @@ class Scheduler:
     def _admit(
         self, out: SchedulerOutput, seqs: list[ScheduledSeq], reqs: list[Request], budget: int
     ) -> None:
+        # Requests whose adapter cannot get a LoRA slot now (every slot pinned by running
+        # requests of other adapters) step aside, as in vLLM: the ones behind them may run;
+        # they go back to the head of the queue, in order, after this round.
+        lora_deferred: list[Request] = []
+        self._admit_loop(out, seqs, reqs, budget, lora_deferred)
+        for req in reversed(lora_deferred):
+            self.waiting.prepend(req)
+
+    def _admit_loop(
+        self,
+        out: SchedulerOutput,
+        seqs: list[ScheduledSeq],
+        reqs: list[Request],
+        budget: int,
+        lora_deferred: list[Request],
+    ) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting.peek()
             if req.num_output_placeholders:
@@ -297,6 +317,9 @@ class Scheduler:
             if reason is not None:
                 self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR, reason)
                 out.errored.append(req)
+                continue
+            if self.max_loras is not None and not self._adapter_fits(req):
+                lora_deferred.append(self.waiting.pop())
                 continue
             swapped_tokens = self.swapped.get(req.request_id)
             if swapped_tokens is not None:
@@ -349,6 +372,13 @@ class Scheduler:
             if samples and self.config.async_scheduling:
                 req.num_output_placeholders += 1
             budget -= num_new
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether ``req``'s adapter (if any) can have a device slot beside the running ones."""
+        if req.adapter_id is None:
+            return True
+        running = (r.adapter_id for r in self.running if r.adapter_id is not None)
+        return AdapterSlots.fits(req.adapter_id, running, self.max_loras)
 
     # ------------------------------------------------------------ forks
     def fork_request(self, parent_id: str, child: Request, num_tokens: int | None = None) -> None:

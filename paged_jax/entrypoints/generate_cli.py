@@ -34,7 +34,14 @@ from paged_jax.entrypoints.data_parallel import (
     check_data_parallel_args,
 )
 from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
-from paged_jax.entrypoints.job import SIZED_FIELDS, JobRequest, JobSize, make_requests, size_engine
+from paged_jax.entrypoints.job import (
+    SIZED_FIELDS,
+    JobRequest,
+    JobSize,
+    make_requests,
+    parse_lora_modules,
+    size_engine,
+)
 from paged_jax.entrypoints.output_file import (
     JsonlStream,
     OutputWriteError,
@@ -219,6 +226,9 @@ ENGINE_FLAGS = {
         "this process's rank in [0, --num-processes) (default: $JAX_PROCESS_ID)",
         name="process-id",
     ),
+    "enable_lora": Flag("serve LoRA adapters (--lora-modules turns it on; docs/lora.md)"),
+    "max_loras": Flag("LoRA adapters resident on the device at once (one batch mixes them)"),
+    "max_lora_rank": Flag("the largest LoRA rank served (smaller ranks are zero-padded)"),
     "distributed_init_timeout_s": Flag(
         "multi-process engine: seconds to wait for every process to join before failing "
         "(a peer that never starts)",
@@ -298,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--no-compile-cache", action="store_true", help="compile every step program afresh"
+    )
+    e.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help='PEFT LoRA adapters a JSONL line picks with "lora": "NAME" (turns on '
+        "--enable-lora; docs/lora.md)",
     )
     add_data_parallel_flags(p)
     p.add_argument("--no-tqdm", action="store_true", help="no progress bar or load progress")
@@ -399,6 +417,8 @@ def engine_args_from_args(args: argparse.Namespace) -> dict[str, Any]:
     sizes them to the job (job.size_engine).
     """
     engine_args = field_values(args, EngineConfig, ENGINE_FLAGS)
+    if getattr(args, "lora_modules", None):
+        engine_args["enable_lora"] = True
     if getattr(args, "speculative_config", None) is not None:
         engine_args["speculative_config"] = args.speculative_config
     for name in SIZED_FIELDS:
@@ -489,6 +509,12 @@ def _prepare(args: argparse.Namespace) -> _Plan:
     )
     check_data_parallel_args(args)
     engine_args = engine_args_from_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules or ())
+    if lora_modules and args.data_parallel_size > 1:
+        raise ValueError(
+            f"--lora-modules is not served with --data-parallel-size={args.data_parallel_size} "
+            "yet: run one replica"
+        )
     # Checked (and the model checked) at the default sizes for what the job will size.
     default = _DEFAULT_ENGINE
     provisional, _ = size_engine(
@@ -545,6 +571,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         tokenizer=facts.tokenizer,
         chat_template=facts.chat_template,
         max_model_len=facts.max_model_len,
+        lora_modules=lora_modules,
     )
     # A multi-process engine: every process runs this command, process 0 writes.
     job = settings_from(
@@ -872,7 +899,12 @@ def _generate(
     unfinished = dict(enumerate(plan.requests))
     if records.output_error is not None:  # the bad lines' records already failed
         return None, list(unfinished.values())
-    stream = llm.generate_iter([r.prompt for r in plan.requests], [r.params for r in plan.requests])
+    loras = [r.lora for r in plan.requests]
+    stream = llm.generate_iter(
+        [r.prompt for r in plan.requests],
+        [r.params for r in plan.requests],
+        **({"lora_request": loras} if any(loras) else {}),
+    )
     num_generated = 0
     try:
         while True:

@@ -17,6 +17,7 @@ from paged_jax.chat_template import ChatTemplate, check_messages
 from paged_jax.config import EngineConfig, bucket_for
 from paged_jax.constants import MIN_SEQ_BUCKET, PROMPT_BYTES_PER_TOKEN
 from paged_jax.entrypoints.prompts_file import PromptLine, params_for
+from paged_jax.lora import LoRARequest
 from paged_jax.sampling_params import SamplingParams
 
 NO_CHAT_TEMPLATE = (
@@ -36,11 +37,13 @@ class JobRequest:
         prompt: {"prompt": text, "prompt_token_ids": ids}, or {"prompt_token_ids": ids}
             for a line of token ids (checked against the vocabulary by the engine).
         params: the run's SamplingParams with the line's overrides.
+        lora: the line's adapter (its "lora" key among --lora-modules), or None.
     """
 
     line: PromptLine
     prompt: dict[str, Any]
     params: SamplingParams
+    lora: LoRARequest | None = None
 
 
 def make_requests(
@@ -50,6 +53,7 @@ def make_requests(
     tokenizer: Any,
     chat_template: ChatTemplate | None,
     max_model_len: int,
+    lora_modules: Mapping[str, LoRARequest] | None = None,
 ) -> list[JobRequest]:
     """The servable lines as requests; every other line gets its `.error` set.
 
@@ -62,6 +66,7 @@ def make_requests(
         tokenizer: a ``tokenizers.Tokenizer``, or None (text lines are then errors).
         chat_template: the template for "messages" lines, or None (they are errors).
         max_model_len: the run's context length; longer text is refused untokenized.
+        lora_modules: --lora-modules' adapters by name (a line's "lora" key picks one).
     """
     longest = max_model_len * PROMPT_BYTES_PER_TOKEN
     requests = []
@@ -70,6 +75,7 @@ def make_requests(
             continue
         try:
             params = params_for(base, line)
+            lora = lora_of(line, lora_modules or {})
             if line.kind == "prompt_token_ids":
                 prompt: dict[str, Any] = {"prompt_token_ids": list(line.value)}
             else:
@@ -80,8 +86,36 @@ def make_requests(
             msg = str(err)
             line.error = msg if msg.startswith("line ") else f"line {line.line}: {msg}"
             continue
-        requests.append(JobRequest(line, prompt, params))
+        requests.append(JobRequest(line, prompt, params, lora))
     return requests
+
+
+def lora_of(line: PromptLine, lora_modules: Mapping[str, LoRARequest]) -> LoRARequest | None:
+    """The adapter a line names with its "lora" key (None: the base model)."""
+    if line.lora is None:
+        return None
+    if line.lora not in lora_modules:
+        raise ValueError(
+            f"lora={line.lora!r} must be one of the --lora-modules names {sorted(lora_modules)}"
+        )
+    return lora_modules[line.lora]
+
+
+def parse_lora_modules(values: Sequence[str]) -> dict[str, LoRARequest]:
+    """--lora-modules NAME=PATH ... -> {name: LoRARequest(name, i, path)}, ids 1, 2, ...
+
+    Raises:
+        ValueError: a value without "=", an empty name or path, or a repeated name.
+    """
+    modules: dict[str, LoRARequest] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {value!r} must be NAME=PATH")
+        if name in modules:
+            raise ValueError(f"--lora-modules {value!r}: the name {name!r} is given twice")
+        modules[name] = LoRARequest(name, len(modules) + 1, path)
+    return modules
 
 
 def _text_of(line: PromptLine, chat_template: ChatTemplate | None) -> tuple[str, bool]:

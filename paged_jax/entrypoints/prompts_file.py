@@ -38,7 +38,7 @@ _CHUNK_BYTES = 1 << 20
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids", "messages")
 OVERRIDE_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-ALLOWED_KEYS = ("id", *PROMPT_KEYS, *OVERRIDE_KEYS)
+ALLOWED_KEYS = ("id", "lora", *PROMPT_KEYS, *OVERRIDE_KEYS)
 # The keys of a line's "structured_outputs" object (vLLM's names).
 CONSTRAINT_KEYS = tuple(f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init)
 
@@ -55,6 +55,7 @@ class PromptLine:
         value: the prompt text, token id list or message list.
         overrides: SamplingParams fields given on the line.
         error: why the line cannot be served (then kind/value may be None).
+        lora: the "lora" key: the name of one of --lora-modules' adapters, or None.
     """
 
     index: int
@@ -64,6 +65,7 @@ class PromptLine:
     value: Any = None
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     error: str | None = None
+    lora: str | None = None
 
 
 def check_readable(path: str) -> None:
@@ -256,7 +258,7 @@ def parse_jsonl_line(index: int, line_no: int, line: str) -> PromptLine:
     unknown = [k for k in record if k not in ALLOWED_KEYS]
     if unknown:
         return bad(
-            f"unknown key {unknown[0]!r}; expected 'id', one of {list(PROMPT_KEYS)} "
+            f"unknown key {unknown[0]!r}; expected 'id', 'lora', one of {list(PROMPT_KEYS)} "
             f"and SamplingParams fields {list(OVERRIDE_KEYS)}"
         )
     kinds = [k for k in PROMPT_KEYS if k in record]
@@ -272,6 +274,9 @@ def parse_jsonl_line(index: int, line_no: int, line: str) -> PromptLine:
         return bad(f"prompt_token_ids={value!r} must be a list of ints")
     if kind == "messages" and not isinstance(value, list):
         return bad(f"messages={value!r} must be a list of {{'role', 'content'}} objects")
+    lora = out.lora = record.get("lora")
+    if lora is not None and (not isinstance(lora, str) or not lora):
+        return bad(f"lora={lora!r} must be the name of a --lora-modules adapter")
     out.overrides = {k: record[k] for k in OVERRIDE_KEYS if k in record}
     return out
 

@@ -50,6 +50,7 @@ from paged_jax.models.layer_scan import (
     plan_layer_scan,
     split_without_layers,
 )
+from paged_jax.models.lora import DeviceLoRA, lora_module_shapes, lora_stack_specs
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
@@ -139,6 +140,61 @@ def _install_compile_listener() -> None:
         if not _listener_installed:
             jax.monitoring.register_event_duration_secs_listener(_on_event)
             _listener_installed = True
+
+
+def device_lora(model: Any, config: EngineConfig, tp: tuple[Any, Any] | None) -> DeviceLoRA:
+    """The adapter stacks of an engine with enable_lora (models.lora.DeviceLoRA).
+
+    Args:
+        model: the model as the runner was given it.
+        tp: (mesh, sharded model) under tensor parallelism: the stacks take the sharded
+            model's shapes and are split like its projections.
+    """
+    served = model if tp is None else tp[1]
+    shapes, refused = lora_module_shapes(served)
+    mesh = specs = None
+    repeated = {}
+    if tp is not None:
+        mesh = tp[0]
+        specs = lora_stack_specs(served, shapes)
+        repeats = kv_head_repeats(
+            int(model.config.num_key_value_heads),
+            int(served.config.num_key_value_heads),
+            config.tensor_parallel_size,
+        )
+        if repeats:
+            head_dim = int(served.config.head_dim)
+            options = {heads * head_dim: r for heads, r in repeats.items()}
+            repeated = {m: (head_dim, options) for m in ("k_proj", "v_proj") if m in shapes}
+    return DeviceLoRA(
+        shapes,
+        int(served.config.num_hidden_layers),
+        config.max_loras,
+        config.max_lora_rank,
+        served.config.dtype,
+        refused=refused,
+        repeated_heads=repeated,
+        mesh=mesh,
+        specs=specs,
+    )
+
+
+def kv_head_repeats(given: int, served: int, tp: int) -> dict[int, int]:
+    """{checkpoint KV heads: repeats} an adapter's k/v may have been written for, when the
+    served model holds ``served`` KV heads over ``tp`` devices.
+
+    A model handed over unsharded (``given`` < ``served``) says its count; one loaded
+    already sharded (LLM(path, tensor_parallel_size=N) repeats the heads while loading)
+    does not, so every count whose repetition over ``tp`` devices gives ``served`` heads
+    is accepted (the adapter's B rows say which it is).
+    """
+    if given < served:
+        return {given: served // given}
+    return {
+        heads: served // heads
+        for heads in range(1, served)
+        if served % heads == 0 and max(1, tp // heads) == served // heads
+    }
 
 
 def scans_layers(config: EngineConfig) -> bool:
@@ -391,6 +447,13 @@ class Runner:
             # dense forward multiplies the same way). A custom PagedModel keeps its own.
             set_row_tiled_matmuls(model)
         self.tp = TensorParallel(model, tp) if tp > 1 else None
+        # Multi-LoRA: the adapter stacks, shaped by the unsharded model's projections and
+        # split like the sharded model's (before the scan may release the layers).
+        self.lora = (
+            device_lora(model, config, None if self.tp is None else (self.tp.mesh, self.tp.model))
+            if config.enable_lora
+            else None
+        )
         model = model if self.tp is None else self.tp.model
         # Layers that repeat run as one scanned body over stacked weights (built before
         # the pool is sized from free memory, so a freed original leaves room for KV).
@@ -490,11 +553,14 @@ class Runner:
             feed: TokenFeed,
             spec: SpecDecodeInput | None = None,
             draft_probs: jax.Array | None = None,  # f32[max_num_seqs, k, V] by row
+            lora: Any = None,  # models.lora.LoRAStep (enable_lora)
         ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             if kv_scales is not None:
                 extra["kv_scales"] = kv_scales
+            if lora is not None:
+                extra["lora"] = lora
             hidden_chunks = ()
             if hidden_path:
                 hidden, kv_caches = m.forward_paged_hidden(
@@ -635,6 +701,7 @@ class Runner:
             step.feed,
             step.spec,
             self.draft_probs if step.spec is not None else None,
+            None if self.lora is None else self.lora.step_input(step.lora_slots, step.bucket[0]),
         )
 
     @counting_compiles
@@ -723,6 +790,11 @@ class Runner:
         programs = self.programs
         program = None if programs is None else programs.get(program_key(step))
         return self.jitted_step if program is None else program
+
+    @counting_compiles
+    def write_lora_slot(self, slot: int, weights: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Writes an adapter's stacks into device LoRA slot ``slot`` (enable_lora engines)."""
+        self.lora.write_slot(slot, weights)
 
     @counting_compiles
     def replace_lost_device_state(self) -> bool:
@@ -905,6 +977,8 @@ class Runner:
                 run_prompt,
             )
         t0 = time.perf_counter()
+        if self.lora is not None:  # the slot write's one program (slot 0 stays all zeros)
+            self.lora.write_slot(0, {})
         if self.config.preemption_mode == "swap":
             ids = np.zeros(self._swap_width, np.int32)
             # Host copies, as swap_in passes them: the same input shardings, no recompile.
@@ -918,10 +992,14 @@ class Runner:
         """The most bytes of weights and of KV caches that any one device holds."""
         weights = per_device_bytes(self.weights)
         kv = per_device_bytes(self.kv_caches)
-        return {
+        out = {
             "weight_bytes_per_device": max(weights.values(), default=0),
             "kv_cache_bytes_per_device": max(kv.values(), default=0),
         }
+        if self.lora is not None:
+            lora = per_device_bytes(self.lora.stacks)
+            out["lora_bytes_per_device"] = max(lora.values(), default=0)
+        return out
 
     # ------------------------------------------------------------------ swap
     @counting_compiles

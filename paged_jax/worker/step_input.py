@@ -8,6 +8,7 @@
       copies:    StepCopies                copy-on-write, its own call before the step
                                            (runner.py; skipped when all padding)
       spec:      SpecDecodeInput | None    speculative decoding's drafts (rejection_sampler.py)
+      lora_slots i32[T] | None             each token row's LoRA slot (models/lora.py)
 
 Every group is a pytree (NamedTuples of arrays; AttentionMetadata is registered by
 paged_jax.models.attention), so the runner passes them to the jitted step as they are.
@@ -245,6 +246,9 @@ class StepInput:
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
     spec: SpecDecodeInput | None = None  # speculative engines: every step carries one
+    # Multi-LoRA (EngineConfig.enable_lora): i32[T] adapter slot of each token row, -1 =
+    # the base model; None = every row on the base model (the runner feeds a resident -1).
+    lora_slots: Any = None
 
     @property
     def bucket(self) -> tuple[int, int]:

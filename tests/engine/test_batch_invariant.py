@@ -174,6 +174,11 @@ def test_the_mode_is_one_bucket_and_refuses_what_it_cannot_pin():
     assert key != on and on["batch_invariant"] is True
 
 
+def test_lora_is_refused():
+    with pytest.raises(ValueError, match=r"batch_invariant.*enable_lora"):
+        EngineConfig(batch_invariant=True, enable_lora=True)
+
+
 def test_8bit_weights_are_refused(tiny_hf_checkpoint):
     # Quantized products are not row-tiled: the mode refuses them before warm-up.
     with pytest.raises(ValueError, match=r"batch_invariant=True is not supported .* 8-bit"):
