@@ -83,6 +83,8 @@ class PagedJaxLM(TemplateLM):
         prefix_token_id: the token an empty context or a rolling window starts from
             (default BOS, else EOS).
         enable_prefix_caching: share contexts through the prefix cache (default True).
+        chat_template: Jinja text for lm-eval's --apply_chat_template instead of the
+            checkpoint's (LLM.render_chat's chat_template).
         **engine_args: other EngineConfig fields (block_size, num_kv_blocks, ...).
 
     lm-eval also passes ``device`` and ``max_batch_size``: accepted and unused (the
@@ -106,6 +108,7 @@ class PagedJaxLM(TemplateLM):
         add_bos_token: bool | None = None,
         prefix_token_id: int | None = None,
         enable_prefix_caching: bool = True,
+        chat_template: str | None = None,
         device: str | None = None,
         **engine_args: Any,
     ):
@@ -157,6 +160,7 @@ class PagedJaxLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.custom_prefix_token_id = prefix_token_id
+        self.given_chat_template = chat_template
         config = self.llm.model.config
         self.bos_token_id: int | None = getattr(config, "bos_token_id", None)
         eos = tuple(getattr(config, "eos_token_ids", ()) or ())
@@ -189,7 +193,9 @@ class PagedJaxLM(TemplateLM):
         return self.model_name.replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
-        """The checkpoint's chat template source (lm-eval hashes it into its cache keys)."""
+        """The chat template's source (lm-eval hashes it into its cache keys)."""
+        if self.given_chat_template is not None:
+            return self.given_chat_template
         template = self.llm.chat_template
         return None if template is None else template.source
 
@@ -202,6 +208,7 @@ class PagedJaxLM(TemplateLM):
             chat_history,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=not add_generation_prompt,
+            chat_template=self.given_chat_template,
         )
         return rendered[0]["prompt"]
 
@@ -274,7 +281,7 @@ class PagedJaxLM(TemplateLM):
         """Scores (context, continuation) pairs; a pair longer than max_length + 1 tokens
         loses its context's oldest tokens (as lm-eval's hf backend truncates)."""
         sequences = []
-        for (_, context_ids, continuation_ids) in requests:
+        for _, context_ids, continuation_ids in requests:
             if not 0 < len(continuation_ids) <= self.max_length:
                 raise ValueError(
                     f"len(continuation)={len(continuation_ids)} tokens must be in "
@@ -312,7 +319,9 @@ class PagedJaxLM(TemplateLM):
         return totals
 
     # ------------------------------------------------------------ generation
-    def _generation_params(self, index: int, gen_kwargs: dict[str, Any]) -> tuple[SamplingParams, list[str]]:
+    def _generation_params(
+        self, index: int, gen_kwargs: dict[str, Any]
+    ) -> tuple[SamplingParams, list[str]]:
         """lm-eval's gen_kwargs -> (SamplingParams, stop strings to cut the text at)."""
         kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
         eos = self.llm.decode_token(self.eot_token_id)

@@ -13,11 +13,54 @@ import json
 import pathlib
 import random
 
-WORDS = (
-    "the a cat dog sat ran on over under river stone tree bird sang quickly slowly red "
-    "blue green house road light dark morning evening small large old new cold warm "
-    "water fire wind field hill town boat ship sky moon sun star king queen child"
-).split()
+WORDS = [
+    "the",
+    "a",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "over",
+    "under",
+    "river",
+    "stone",
+    "tree",
+    "bird",
+    "sang",
+    "quickly",
+    "slowly",
+    "red",
+    "blue",
+    "green",
+    "house",
+    "road",
+    "light",
+    "dark",
+    "morning",
+    "evening",
+    "small",
+    "large",
+    "old",
+    "new",
+    "cold",
+    "warm",
+    "water",
+    "fire",
+    "wind",
+    "field",
+    "hill",
+    "town",
+    "boat",
+    "ship",
+    "sky",
+    "moon",
+    "sun",
+    "star",
+    "king",
+    "queen",
+    "child",
+]
 NUM_CHOICES = 4
 
 
@@ -25,9 +68,7 @@ def _sentence(rng: random.Random, num_words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
-def task_rows(
-    num_mc: int, num_rolling: int, num_gen: int, seed: int = 0
-) -> dict[str, list[dict]]:
+def task_rows(num_mc: int, num_rolling: int, num_gen: int, seed: int = 0) -> dict[str, list[dict]]:
     """{file name: rows} of the three tasks: multiple-choice questions of 3-5 words with
     four 1-2 word choices (prompt + choice within the tests' 64-token window); rolling documents of 30-45 words (150+ characters: longer
     than the tests' 64-token window); generation prompts of 4-8 words."""

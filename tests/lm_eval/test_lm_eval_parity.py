@@ -132,3 +132,108 @@ def test_paged_jax_equals_the_hf_backend(runs, family):
     stats = lm.llm.get_stats()
     assert stats["prefix_cache_hits"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert stats["num_compiles_after_warmup"] == 0
+
+
+def instances(request_type: str, args: list[tuple]):
+    from lm_eval.api.instance import Instance
+
+    return [
+        Instance(request_type=request_type, doc={}, arguments=a, idx=i) for i, a in enumerate(args)
+    ]
+
+
+def test_an_existing_llm_scores_as_the_evaluated_model(runs):
+    """PagedJaxLM(llm=...) (a training loop's engine) gives the hf backend's numbers, and
+    sampled generations follow their seeds."""
+    from paged_jax.lm_eval import PagedJaxLM
+
+    hf, _, lm = runs("llama")
+    live = PagedJaxLM(llm=lm.llm, batch_size=3)
+    assert live.max_length == MAX_LENGTH
+    samples = sorted(hf["samples"]["pj_mc"], key=lambda s: s["doc_id"])[:2]
+    pairs = [tuple(arg) for s in samples for arg in s["arguments"]]
+    want = [resp for s in samples for resp in s["filtered_resps"]]
+    got = live.loglikelihood(instances("loglikelihood", pairs))
+    for (w_ll, w_greedy), (g_ll, g_greedy) in zip(want, got, strict=True):
+        assert g_ll == pytest.approx(w_ll, abs=LOGLIK_TOL) and g_greedy == w_greedy
+    sampled = {"until": ["\n"], "max_gen_toks": 6, "do_sample": True, "temperature": 1.0}
+    prompts = [("star child cat", dict(sampled)), ("star child cat", dict(sampled, seed=7))]
+    first = live.generate_until(instances("generate_until", prompts))
+    again = live.generate_until(instances("generate_until", prompts))
+    assert first == again, "seeded sampling must repeat"
+    greedy = live.generate_until(
+        instances("generate_until", [("star child cat", {"until": ["\n"], "max_gen_toks": 6})])
+    )
+    assert first[0] != greedy[0] or first[1] != greedy[0], "do_sample must sample"
+
+
+def test_chat_templates_render_through_lm_evals_hooks(runs):
+    from paged_jax.lm_eval import PagedJaxLM
+
+    _, _, lm = runs("llama")
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    live = PagedJaxLM(llm=lm.llm, chat_template=template)
+    chat = [{"role": "user", "content": "hi"}]
+    assert live.chat_template(True) == template
+    with pytest.raises(ValueError, match="no chat template"):
+        lm.apply_chat_template(chat)  # the tiny checkpoint has none
+    # The template sees the checkpoint's special tokens (tokenizer_config.json).
+    assert live.apply_chat_template(chat) == "<s>[user] hi\n[assistant]"
+    # No generation prompt: the last message is continued (cut after its content).
+    assert live.apply_chat_template(chat, add_generation_prompt=False) == "<s>[user] hi"
+    # A rendered prompt that starts with BOS's text gets no second BOS.
+    assert live.tok_encode("<s>[user] hi") == lm.llm.encode(
+        "<s>[user] hi", add_special_tokens=False
+    )
+    assert live.tok_encode("[user] hi")[0] == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(pretrained="x", data_parallel_size=2), r"data_parallel_size=2 must be 1"),
+        (dict(pretrained="x", batch_size="big"), r"batch_size='big' must be 'auto' or an int"),
+        (dict(), r"pretrained=None: pass a model directory or llm="),
+        (dict(llm="not an LLM"), r"llm='not an LLM' must be a paged_jax.LLM"),
+    ],
+)
+def test_bad_model_args_are_refused_by_name(kwargs, match):
+    from paged_jax.lm_eval import PagedJaxLM
+
+    with pytest.raises(ValueError, match=match):
+        PagedJaxLM(**kwargs)
+
+
+def test_unknown_generation_kwargs_are_refused_by_name(runs):
+    from paged_jax.lm_eval import PagedJaxLM
+
+    _, _, lm = runs("llama")
+    live = PagedJaxLM(llm=lm.llm)
+    with pytest.raises(ValueError, match=r"gen_kwargs num_beams=4 is not a generation setting"):
+        live.generate_until(instances("generate_until", [("a", {"num_beams": 4})]))
+    with pytest.raises(ValueError, match=r"max_model_len=64 must not be given with llm="):
+        PagedJaxLM(llm=lm.llm, max_model_len=64)
+
+
+def test_paged_jax_eval_hands_its_arguments_to_lm_evals_cli(monkeypatch):
+    """The command registers `paged-jax` and runs lm-eval's own CLI: the model args reach
+    PagedJaxLM (a refused data_parallel_size shows it without building an engine)."""
+    from paged_jax.entrypoints.eval_cli import main
+
+    monkeypatch.setattr("sys.argv", ["paged-jax-eval"])
+    argv = [
+        "run",
+        "--model",
+        "paged-jax",
+        "--model_args",
+        "pretrained=unused,data_parallel_size=2",
+        "--tasks",
+        "pj_gen",
+        "--include_path",
+        str(TASKS_DIR),
+    ]
+    with pytest.raises(ValueError, match=r"data_parallel_size=2 must be 1"):
+        main(argv)
