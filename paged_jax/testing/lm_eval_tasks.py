@@ -99,3 +99,22 @@ def write_task_data(
         with open(folder / name, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     return folder
+
+
+def save_byte_tokenizer(directory: str | pathlib.Path) -> None:
+    """Saves the demo byte tokenizer (paged_jax.entrypoints.demo), adding BOS ``<s>`` (id 1)
+    to every encoding, as transformers saves one: tokenizer.json + tokenizer_config.json,
+    so lm-eval's hf backend (AutoTokenizer) and paged-jax read the same tokenizer.
+    Needs transformers."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    from paged_jax.entrypoints.demo import build_byte_tokenizer
+
+    tok = build_byte_tokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(directory)

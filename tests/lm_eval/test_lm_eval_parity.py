@@ -34,21 +34,12 @@ ENGINE_ARGS = dict(
 
 def byte_checkpoint(tiny_hf_checkpoint, tmp_path_factory, family: str) -> pathlib.Path:
     """A tiny random checkpoint of family with a byte tokenizer that adds BOS."""
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
-    from paged_jax.entrypoints.demo import build_byte_tokenizer
+    from paged_jax.testing.lm_eval_tasks import save_byte_tokenizer
 
     src = tiny_hf_checkpoint(family, vocab_size=259)
     dst = tmp_path_factory.mktemp(f"lm_eval_{family}")
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    tok = build_byte_tokenizer()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
-    )
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(dst)
+    save_byte_tokenizer(dst)
     return dst
 
 
