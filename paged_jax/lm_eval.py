@@ -71,6 +71,7 @@ class PagedJaxLM(TemplateLM):
         dtype: the weights' dtype ("auto": bfloat16 on GPU/TPU, float32 on CPU).
         max_model_len: lm-eval's context window (its ``max_length``); the engine is built
             with two more positions (ENGINE_EXTRA_TOKENS). None: the model's limit - 2.
+            ``max_length`` is the vLLM backend's other spelling of it.
         tensor_parallel_size: devices the model is split over (one process).
         data_parallel_size: only 1; more is refused (see __init__).
         max_num_seqs: the engine's batch (sequences per step).
@@ -98,6 +99,7 @@ class PagedJaxLM(TemplateLM):
         llm: LLM | None = None,
         dtype: str = "auto",
         max_model_len: int | None = None,
+        max_length: int | None = None,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         max_num_seqs: int | None = None,
@@ -121,6 +123,13 @@ class PagedJaxLM(TemplateLM):
                 "one paged-jax-eval per device on a share of the tasks)"
             )
         self.batch_size_per_call = _batch_size(batch_size)
+        if max_length is not None:
+            if max_model_len is not None and int(max_model_len) != int(max_length):
+                raise ValueError(
+                    f"max_length={max_length!r} and max_model_len={max_model_len!r} must "
+                    "agree (two spellings of lm-eval's context window)"
+                )
+            max_model_len = max_length
         if llm is not None:
             given = dict(engine_args, pretrained=pretrained, max_model_len=max_model_len)
             given.update(max_num_seqs=max_num_seqs)

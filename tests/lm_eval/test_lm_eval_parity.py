@@ -189,6 +189,10 @@ def test_chat_templates_render_through_lm_evals_hooks(runs):
         (dict(pretrained="x", batch_size="big"), r"batch_size='big' must be 'auto' or an int"),
         (dict(), r"pretrained=None: pass a model directory or llm="),
         (dict(llm="not an LLM"), r"llm='not an LLM' must be a paged_jax.LLM"),
+        (
+            dict(pretrained="x", max_length=64, max_model_len=32),
+            r"max_length=64 and max_model_len=32 must agree",
+        ),
     ],
 )
 def test_bad_model_args_are_refused_by_name(kwargs, match):
