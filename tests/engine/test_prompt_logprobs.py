@@ -159,6 +159,21 @@ def test_a_tail_of_prompt_logprobs_reads_the_shared_context_from_the_cache(chunk
             assert got.prompt_logprobs[i][token].logprob == pytest.approx(
                 ref[i - 1, token], abs=TOL
             )
+    # n > 1: the carrier computes the tail once, from the cached context too.
+    both = llm.generate(
+        [prompts[1]],
+        SamplingParams(
+            n=2, temperature=1.0, seed=1, max_tokens=2, prompt_logprobs=0, prompt_logprobs_tail=2
+        ),
+        use_tqdm=False,
+    )[0]
+    assert len(both.outputs) == 2
+    assert both.prompt_logprobs[:-2] == [None] * (len(prompts[1]) - 2)
+    for i in range(len(prompts[1]) - 2, len(prompts[1])):
+        token = prompts[1][i]
+        assert both.prompt_logprobs[i][token].logprob == pytest.approx(
+            full[1].prompt_logprobs[i][token].logprob, abs=1e-5
+        )
     # A tail longer than the prompt is every token's, reading no cache.
     whole = llm.generate(
         [context[:6]],
