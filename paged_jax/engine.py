@@ -244,8 +244,9 @@ class Engine:
         samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
         one prefill; it finishes as one EngineOutput, ``samples`` in index order.
 
-        With ``sampling_params.prompt_logprobs`` every prompt position runs through the
-        model (never from cached blocks) and the EngineOutput carries ``prompt_logprobs``;
+        With ``sampling_params.prompt_logprobs`` every wanted prompt position runs through
+        the model (never from cached blocks; with ``prompt_logprobs_tail`` the tokens before
+        the tail may) and the EngineOutput carries ``prompt_logprobs``;
         the model needs ``forward_paged_hidden`` and ``logits``.
         """
         params = _sampling_params(sampling_params, SamplingParams())
@@ -283,8 +284,11 @@ class Engine:
                     f"with forward_paged_hidden and logits (every paged_jax.models model has "
                     f"them); {self._model_name} has not: pass prompt_logprobs=None"
                 )
-            req.skip_reading_prefix_cache = True
-            prompt = PromptLogprobs(req.prompt_token_ids, params.prompt_logprobs)
+            prompt = PromptLogprobs(
+                req.prompt_token_ids, params.prompt_logprobs, params.prompt_logprobs_tail
+            )
+            req.skip_reading_prefix_cache = prompt.num_cacheable_tokens == 0
+            req.max_cache_hit_tokens = prompt.num_cacheable_tokens
         if params.structured_outputs is not None:
             # A bad constraint raises here, naming its field.
             self.structured.new_matcher(params, self.eos_token_ids)

@@ -459,7 +459,7 @@ class OutputProcessor:
             prompt = recorders.get(seq.req_id)
             if prompt is not None:
                 first = seq.num_computed_tokens
-                wanted = prompt.wanted(max(first, len(prompt.logprobs)), first + seq.num_new_tokens)
+                wanted = prompt.wanted(max(first, prompt.next_position), first + seq.num_new_tokens)
                 if wanted:
                     rows.extend(range(start + wanted.start - first, start + wanted.stop - first))
                     targets.extend(prompt.prompt_token_ids[wanted.start + 1 : wanted.stop + 1])

@@ -248,7 +248,8 @@ class ParallelSampling:
             cache_salt=parent.cache_salt,
             priority=parent.priority,
             arrival_time=arrival_time,
-            skip_reading_prefix_cache=prompt is not None,
+            skip_reading_prefix_cache=prompt is not None and prompt.num_cacheable_tokens == 0,
+            max_cache_hit_tokens=None if prompt is None else prompt.num_cacheable_tokens,
         )
         self.queue(req, prompt)
 

@@ -11,6 +11,11 @@ skipped, and positions arrive in order from the first missing one.
     entry       -> t1  t2  t3  t4         entries[p] = logprobs of t(p+1) at position p
     chunk 1: positions 0..1   chunk 2: positions 2..4 (4 samples, no prompt entry)
 
+With a tail of K tokens (SamplingParams.prompt_logprobs_tail) only positions from
+first = L - 1 - K on are wanted; tokens 0 .. first - 1 may come from the prefix cache:
+
+    tail K = 2  ->  first = 2:  entry    None None  -> t3  t4   (cache may cover t0 t1)
+
 Pure Python; never imports jax.
 """
 
@@ -28,14 +33,19 @@ class PromptLogprobs:
         prompt_token_ids: the prompt whose tokens are the targets (a parallel-sampling
             carrier prefills all but the last token, yet its entries cover the prompt).
         num_top: top entries per position (SamplingParams.prompt_logprobs).
+        tail: only the last ``tail`` prompt tokens get entries
+            (SamplingParams.prompt_logprobs_tail; capped at len(prompt) - 1); None: all.
 
-    The requests that compute it skip reading the prefix cache
-    (``Request.skip_reading_prefix_cache``): every position runs through the model.
+    The requests that compute it read at most ``num_cacheable_tokens`` tokens from the
+    prefix cache (none without a tail): every wanted position runs through the model.
     """
 
-    def __init__(self, prompt_token_ids: Sequence[int], num_top: int):
+    def __init__(self, prompt_token_ids: Sequence[int], num_top: int, tail: int | None = None):
         self.prompt_token_ids = list(prompt_token_ids)
         self.num_top = num_top
+        num_positions = len(self.prompt_token_ids) - 1
+        # The first position with an entry: earlier ones are never computed for it.
+        self.first = 0 if tail is None else max(num_positions - tail, 0)
         self.logprobs: list[LogprobEntry] = []
         self.ranks: list[RankEntry] = []
 
@@ -45,12 +55,23 @@ class PromptLogprobs:
         return len(self.prompt_token_ids) - 1
 
     @property
+    def num_cacheable_tokens(self) -> int:
+        """How many leading prompt tokens may come from the prefix cache (0: none)."""
+        return self.first
+
+    @property
+    def next_position(self) -> int:
+        """The first wanted position not recorded yet."""
+        return self.first + len(self.logprobs)
+
+    @property
     def complete(self) -> bool:
-        return len(self.logprobs) == self.num_positions
+        return self.next_position == self.num_positions
 
     def wanted(self, start: int, end: int) -> range:
-        """The positions of [start, end) (one scheduled chunk) that predict a prompt token."""
-        return range(start, min(end, self.num_positions))
+        """The positions of [start, end) (one scheduled chunk) that predict a wanted
+        prompt token."""
+        return range(max(start, self.first), min(end, self.num_positions))
 
     def target(self, position: int) -> int:
         """The prompt token the entry of ``position`` is about."""
@@ -67,12 +88,12 @@ class PromptLogprobs:
         """Records one chunk's positions (ascending); already recorded ones are skipped."""
         k = self.num_top
         for i, p in enumerate(positions):
-            if p < len(self.logprobs):
-                continue  # computed again after a preemption: the same values
-            assert p == len(self.logprobs), (
+            if p < self.next_position:
+                continue  # computed again after a preemption (the same values), or unwanted
+            assert p == self.next_position, (
                 f"prompt logprobs of position {p} arrived before position "
-                f"{len(self.logprobs)}'s: a prompt position was skipped (a prefix-cache hit "
-                "on a request that must not read the cache?)"
+                f"{self.next_position}'s: a prompt position was skipped (a prefix-cache hit "
+                "past num_cacheable_tokens?)"
             )
             entry, entry_ranks = logprob_entry(
                 self.target(p),
@@ -85,5 +106,7 @@ class PromptLogprobs:
             self.ranks.append(entry_ranks)
 
     def output(self) -> tuple[list[LogprobEntry | None], list[RankEntry | None]]:
-        """(entries, ranks) as EngineOutput carries them: None for the first prompt token."""
-        return [None, *self.logprobs], [None, *self.ranks]
+        """(entries, ranks) as EngineOutput carries them: None for the first prompt token
+        (and for every token before the tail)."""
+        head: list[None] = [None] * (self.first + 1)
+        return [*head, *self.logprobs], [*head, *self.ranks]

@@ -43,7 +43,12 @@ class SamplingParams:
         prompt_logprobs: return this many top logprobs per prompt token (plus the
             prompt token's own) from the raw model distribution; None returns none.
             The request then never reads the prefix cache (every prompt position
-            must be computed), as in vLLM.
+            must be computed), as in vLLM, unless prompt_logprobs_tail limits them.
+        prompt_logprobs_tail: with prompt_logprobs: only the last this many prompt
+            tokens get entries (the others None), so the prompt's head may come from
+            the prefix cache (lm-eval's loglikelihood scores a continuation after a
+            context many requests share); at most len(prompt) - 1 count. None: every
+            prompt token.
         presence_penalty: subtracted once from the logit of every token already in
             the output (vLLM/OpenAI semantics); in [-2, 2], 0 disables it.
         frequency_penalty: subtracted from a token's logit once per occurrence in
@@ -77,6 +82,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    prompt_logprobs_tail: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -130,6 +136,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 fail(self, name, f"None or an int in [0, {MAX_LOGPROBS}]")
+        tail = self.prompt_logprobs_tail
+        if tail is not None and (not is_int(tail) or tail < 1):
+            fail(self, "prompt_logprobs_tail", "None or an int >= 1")
+        if tail is not None and self.prompt_logprobs is None:
+            fail(self, "prompt_logprobs_tail", "None unless prompt_logprobs is set")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value):

@@ -8,8 +8,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # ray: the data-parallel tests (tests/data_parallel; ~40 s to install, ~2 min to run on
 # 2 cores); they skip with a reason where it is absent. structured: llguidance for
-# tests/structured (~2 s to install, no dependencies).
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots,ray,structured]'
+# tests/structured (~2 s to install, no dependencies). eval: lm-eval for tests/lm_eval
+# (its hf-backend parity tests; they skip with a reason where it is absent).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[test,plots,ray,structured,eval]'
 # Two pytest workers (pytest-xdist), one module each at a time (--dist loadscope keeps a
 # module's fixtures, such as the multi-device subprocess run, on one worker): most tests
 # are single-threaded XLA compiles, so on 2 cores this halves the wall time.

@@ -242,6 +242,7 @@ class KVCacheManager:
         The hit is block-aligned and covers at most num_tokens - 1 tokens, so at
         least the last token is computed (its logits are needed): a fully cached,
         block-aligned prompt of n blocks hits n - 1 of them.
+        ``Request.max_cache_hit_tokens`` lowers that cap (prompt logprobs of a tail).
 
         Returns:
             (hit blocks per group, number of hit tokens). (empty, 0) when caching
@@ -252,8 +253,11 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         self._ensure_hasher(request)
         num_tokens = request.num_tokens
+        limit = num_tokens - 1
+        if request.max_cache_hit_tokens is not None:
+            limit = min(limit, request.max_cache_hit_tokens)
         groups, num_hit_tokens = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, num_tokens - 1
+            request.block_hashes, limit
         )
         self._stats.record(num_tokens, num_hit_tokens, request.num_preemptions > 0)
         if not num_hit_tokens:

@@ -74,6 +74,9 @@ class Request:
         skip_reading_prefix_cache: never start from cached blocks (every prompt
             position runs through the model, as prompt logprobs need); the request's
             own full blocks are still cached for others.
+        max_cache_hit_tokens: read at most this many tokens from the prefix cache
+            (prompt logprobs of the prompt's tail only need the tokens after it
+            computed); None: no limit beyond the engine's own.
 
     Raises:
         ValueError: on an empty prompt, a negative or non-int token id, or a bad
@@ -92,6 +95,7 @@ class Request:
         adapter_id: int | str | None = None,
         block_hasher: BlockHasherFn | None = None,
         skip_reading_prefix_cache: bool = False,
+        max_cache_hit_tokens: int | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise ValueError(f"request_id={request_id!r} must be a str")
@@ -123,6 +127,7 @@ class Request:
         self.sampling_params = sampling_params
         self.cache_salt = cache_salt
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.max_cache_hit_tokens = max_cache_hit_tokens
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.adapter_id = adapter_id

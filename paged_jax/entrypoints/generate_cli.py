@@ -140,6 +140,9 @@ SAMPLING_FLAGS = {
     "logprobs": Flag(f"top logprobs per token (0-{MAX_LOGPROBS})"),
     "logprobs_mode": Flag("processed_logprobs: of the distribution sampled from"),
     "prompt_logprobs": Flag(f"top logprobs per prompt token (0-{MAX_LOGPROBS})"),
+    "prompt_logprobs_tail": Flag(
+        "prompt logprobs of the last N prompt tokens only (the rest may come from the cache)"
+    ),
     "presence_penalty": Flag("[-2, 2]"),
     "frequency_penalty": Flag("[-2, 2]"),
     "repetition_penalty": Flag("> 0; 1 = off"),

@@ -121,6 +121,94 @@ def test_a_prompt_logprobs_request_reads_no_cached_prefix_but_others_still_do(
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
 
 
+def test_a_tail_of_prompt_logprobs_reads_the_shared_context_from_the_cache(chunked_llms, hf_logits):
+    """prompt_logprobs_tail=K: the last K prompt tokens' entries, equal to a full
+    prompt-logprobs request's (which reads no cache, as caching off), while the context
+    before them comes from blocks another request cached (lm-eval's multiple choice)."""
+    llm, path = chunked_llms("llama")
+    context = _prompt(40, 22)  # 5 full 4-token blocks + 2 tokens
+    choices = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    hits_before = llm.get_stats()["prefix_cache_hits"]
+    first = llm.generate(
+        [context + choices[0]],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_tail=3),
+        use_tqdm=False,
+    )[0]
+    assert first.metrics.num_cached_tokens == 0
+    tails = [
+        SamplingParams(max_tokens=1, prompt_logprobs=1, prompt_logprobs_tail=len(c))
+        for c in choices
+    ]
+    prompts = [context + c for c in choices]
+    cached = llm.generate(prompts, tails, use_tqdm=False)
+    full = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    # Every choice read the context's 5 full blocks (the cap is len(context) - 1 = 21).
+    assert [o.metrics.num_cached_tokens for o in cached] == [20, 20, 20]
+    assert [o.metrics.num_cached_tokens for o in full] == [0, 0, 0]
+    assert llm.get_stats()["prefix_cache_hits"] - hits_before >= 60
+    for prompt, choice, got, want in zip(prompts, choices, cached, full):
+        n = len(prompt) - len(choice)
+        assert got.prompt_logprobs[:n] == [None] * n, "no entry before the tail"
+        ref = _log_softmax(hf_logits(path, np.asarray([prompt]))[0])
+        for i in range(n, len(prompt)):
+            token = prompt[i]
+            assert got.prompt_logprobs[i][token].logprob == pytest.approx(
+                want.prompt_logprobs[i][token].logprob, abs=1e-5
+            )
+            assert got.prompt_logprobs[i][token].rank == want.prompt_logprobs[i][token].rank
+            assert got.prompt_logprobs[i][token].logprob == pytest.approx(
+                ref[i - 1, token], abs=TOL
+            )
+    # n > 1: the carrier computes the tail once, from the cached context too.
+    both = llm.generate(
+        [prompts[1]],
+        SamplingParams(
+            n=2, temperature=1.0, seed=1, max_tokens=2, prompt_logprobs=0, prompt_logprobs_tail=2
+        ),
+        use_tqdm=False,
+    )[0]
+    assert len(both.outputs) == 2
+    assert both.prompt_logprobs[:-2] == [None] * (len(prompts[1]) - 2)
+    for i in range(len(prompts[1]) - 2, len(prompts[1])):
+        token = prompts[1][i]
+        assert both.prompt_logprobs[i][token].logprob == pytest.approx(
+            full[1].prompt_logprobs[i][token].logprob, abs=1e-5
+        )
+    # A tail longer than the prompt is every token's, reading no cache.
+    whole = llm.generate(
+        [context[:6]],
+        SamplingParams(max_tokens=1, prompt_logprobs=0, prompt_logprobs_tail=50),
+        use_tqdm=False,
+    )[0]
+    assert whole.metrics.num_cached_tokens == 0
+    assert whole.prompt_logprobs[0] is None and all(
+        e is not None for e in whole.prompt_logprobs[1:]
+    )
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            dict(prompt_logprobs=0, prompt_logprobs_tail=0),
+            r"prompt_logprobs_tail=0 must be None or an int >= 1",
+        ),
+        (
+            dict(prompt_logprobs=0, prompt_logprobs_tail="2"),
+            r"prompt_logprobs_tail='2' must be None or an int >= 1",
+        ),
+        (
+            dict(prompt_logprobs_tail=2),
+            r"prompt_logprobs_tail=2 must be None unless prompt_logprobs is set",
+        ),
+    ],
+)
+def test_prompt_logprobs_tail_is_validated(kwargs, match):
+    with pytest.raises(ValueError, match=r"SamplingParams\." + match):
+        SamplingParams(**kwargs)
+
+
 def test_n_samples_report_their_prompt_logprobs_once(chunked_llms, hf_logits):
     llm, path = chunked_llms("llama")
     prompt = _prompt(20, 30)
