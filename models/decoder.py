@@ -20,6 +20,7 @@ from flax import nnx
 
 import pallas_kernels
 from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
+from paged_jax.models.activation_hooks import run_hook
 from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.kv_layout import KVCacheLayout, kv_cache_layout
@@ -292,19 +293,27 @@ class CausalLM(nnx.Module):
         attention_backend: str | None = None,
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,
-    ) -> tuple[jax.Array, list[KVCache]]:  # f[num_tokens, hidden], updated caches
+        hook: Any = None,
+    ) -> tuple[Any, ...]:  # f[num_tokens, hidden], updated caches[, hook state]
         """forward_paged without the head: the last layer's output at every token.
 
         ``logits`` turns any rows of it into logits (the engine's prompt logprobs read
-        every prompt position this way). Arguments as forward_paged.
+        every prompt position this way). Arguments as forward_paged, and ``hook``: an
+        object with ``init(x) -> state`` and ``after_layer(state, layer, x) -> (state, x)``
+        called after every decoder layer (models.activation_hooks); its final state is
+        then returned third.
         """
         layout = self.kv_layout
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
         x = self.embed(token_ids, positions)
+        state = None if hook is None else hook.init(x)
         if layers is not None:
-            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales)
+            x, new_caches, state = layers.run(
+                x, positions, kv_caches, attn_metadata, ops, kv_scales, hook, state
+            )
+            return (x, new_caches) if hook is None else (x, new_caches, state)
         if len(self.layers) != self.config.num_hidden_layers:
             raise ValueError(
                 f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
@@ -321,7 +330,8 @@ class CausalLM(nnx.Module):
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )
-        return x, new_caches
+            state, x = run_hook(hook, state, i, x)
+        return (x, new_caches) if hook is None else (x, new_caches, state)
 
     # -- KV cache -----------------------------------------------------------------------
 

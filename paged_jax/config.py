@@ -121,6 +121,11 @@ class EngineConfig:
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
             or {"method": "draft_model", "model": PATH, "num_speculative_tokens": 3}.
             Steps then run synchronously (async_scheduling gives the same outputs).
+        hidden_state_layers: the layers whose residual stream the compiled step can
+            return (SamplingParams.return_hidden_states; docs/research_integration.md,
+            "Activations"): ``i`` is the output of decoder layer ``i`` (transformers'
+            ``hidden_states[i + 1]``, before any final norm), ``-1`` the final-norm
+            output. () (the default) builds programs without capture.
     """
 
     block_size: int = 16
@@ -149,6 +154,7 @@ class EngineConfig:
     distributed_init_timeout_s: int = 120
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
+    hidden_state_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (
@@ -238,6 +244,18 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig | dict):
             fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.coerce(spec))
+        layers = self.hidden_state_layers
+        if isinstance(layers, list | tuple) and all(is_int(i) for i in layers):
+            object.__setattr__(self, "hidden_state_layers", tuple(int(i) for i in layers))
+        layers = self.hidden_state_layers
+        if (
+            not isinstance(layers, tuple)
+            or not all(is_int(i) and i >= -1 for i in layers)
+            or len(set(layers)) != len(layers)
+        ):
+            fail(self, "hidden_state_layers", "a tuple of distinct ints >= -1 (-1 = final norm)")
+        if layers and self.speculative_config is not None:
+            fail(self, "hidden_state_layers", "() with speculative_config (not supported yet)")
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:

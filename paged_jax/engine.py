@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax.activations import ActivationCapture
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
@@ -119,6 +120,8 @@ class Engine:
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
         self.output = OutputProcessor(detokenize)
+        # Hidden states out (EngineConfig.hidden_state_layers): which rows to copy, per request.
+        self.activations = ActivationCapture(config.hidden_state_layers)
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
@@ -266,6 +269,10 @@ class Engine:
         if params.structured_outputs is not None:
             # A bad constraint raises here, naming its field.
             self.structured.new_matcher(params, self.eos_token_ids)
+        self.activations.check(params)
+        if params.return_hidden_states:  # every prompt row computed, none from the cache
+            req.skip_reading_prefix_cache = True
+            self.activations.add(request_id, req.num_prompt_tokens)
         if params.n > 1:  # a parent: its carrier, or its samples
             self.parallel_sampling.add(req, prompt, self._id_taken)
             return
@@ -409,6 +416,7 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(request_id)
         self.output.remove_request(request_id)
+        self.activations.remove(request_id)
 
     def _fork(
         self,
@@ -449,7 +457,9 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(rid)
         self.runner.drop_swapped(rid)
-        return self.output.finish(req, self.scheduler.errors.pop(rid, None))
+        return self.activations.attach(
+            self.output.finish(req, self.scheduler.errors.pop(rid, None))
+        )
 
     # ------------------------------------------------------------ step
     @_serialised
@@ -507,19 +517,23 @@ class Engine:
                 rows = targets = prompt = None
                 if output.prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = output.prompt_rows(out.scheduled)
+                capture_rows, captured = None, []
+                if self.activations.requests:
+                    capture_rows, captured = self.activations.rows(out.scheduled)
                 c1 = clock()
                 pending = self.runner.dispatch(
                     step,
                     with_logprobs=output.num_logprobs_live > 0,
                     prompt_rows=rows,
                     prompt_targets=targets,
+                    hidden_state_rows=capture_rows,
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
                 requests = out.scheduled_requests
                 if len(requests) != len(out.scheduled):  # an output built by hand
                     requests = [sched.requests[seq.req_id] for seq in out.scheduled]
-                launched = InFlightStep(out, requests, pending, cached, prompt or [])
+                launched = InFlightStep(out, requests, pending, cached, prompt or [], captured)
                 self._num_steps += 1
             ready = launched
             if self.config.async_scheduling and not self._synchronous and not matchers:
@@ -614,6 +628,8 @@ class Engine:
         output = self.output
         if step.prompt:  # before a request that finishes in this step reports them
             output.record_prompt_logprobs(step, result)
+        if step.hidden_states:
+            self.activations.record(step.hidden_states, result.hidden_states)
         sched = self.scheduler
         requests = sched.requests
         spec = result.num_emitted is not None

@@ -62,6 +62,10 @@ class SamplingParams:
             the distribution actually sampled from: after min_tokens bans, penalties,
             temperature (not for greedy rows), top-k, top-p and min-p (-inf outside the
             kept set). Prompt logprobs stay raw. Not with speculative decoding yet.
+        return_hidden_states: return the residual stream of the engine's
+            EngineConfig.hidden_state_layers as RequestOutput.prompt_hidden_states and
+            CompletionOutput.hidden_states ({layer: f32[num_tokens, hidden_size]}). The
+            request then never reads the prefix cache (every prompt row is computed).
     """
 
     n: int = 1
@@ -84,6 +88,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    return_hidden_states: bool = False
 
     def __post_init__(self) -> None:
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.
@@ -139,7 +144,7 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not is_number(rp) or not 0.0 < rp < 1e6:
             fail(self, "repetition_penalty", "a number > 0 (1 disables it)")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "return_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
         so = self.structured_outputs

@@ -49,6 +49,7 @@ from paged_jax.models.layer_scan import (
     plan_layer_scan,
     split_without_layers,
 )
+from paged_jax.worker.capture import PendingCapture, capture_chunks, capture_hook
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
@@ -269,7 +270,9 @@ class PendingStep:
         num_seqs: int,
         with_logprobs: bool = True,
         prompt: PendingPromptLogprobs | None = None,
+        captured: PendingCapture | None = None,
     ):
+        self._captured = captured
         self._spec = isinstance(out, SpecSamplerOutput)
         if with_logprobs:
             for array in out:
@@ -287,11 +290,19 @@ class PendingStep:
         """Waits for the step and returns the samples of its real sequences."""
         n = self._num_seqs
         prompt = None if self._prompt is None else self._prompt.result()
+        captured = None if self._captured is None else self._captured.result()
         emitted = np.asarray(self._out.num_emitted)[:n] if self._spec else None
         if not self._with_logprobs:
             token_ids, nonfinite = _split_nonfinite(np.asarray(self._out.token_ids)[:n])
             return StepResult(
-                token_ids, None, None, None, nonfinite, prompt_logprobs=prompt, num_emitted=emitted
+                token_ids,
+                None,
+                None,
+                None,
+                nonfinite,
+                prompt_logprobs=prompt,
+                num_emitted=emitted,
+                hidden_states=captured,
             )
         out = jax.device_get(self._out)
         token_ids, nonfinite = _split_nonfinite(np.asarray(out.token_ids[:n]))
@@ -304,6 +315,7 @@ class PendingStep:
             np.asarray(out.ranks[:n]),
             prompt,
             emitted,
+            captured,
         )
 
 
@@ -340,6 +352,8 @@ class StepResult:
     ranks: np.ndarray | None = None  # i32[num_seqs]; sampled token's 1-based rank
     prompt_logprobs: TokenLogprobs | None = None  # [N] rows asked for
     num_emitted: np.ndarray | None = None  # i32[num_seqs]; speculative steps only
+    # f32[K, M, hidden]: the captured layers' rows of dispatch's hidden_state_rows
+    hidden_states: np.ndarray | None = None
 
 
 class Runner:
@@ -472,6 +486,11 @@ class Runner:
         ) and callable(getattr(model, "logits", None))
         self.prompt_chunk = prompt_chunk_size(config)
         chunk, hidden_path = self.prompt_chunk, self.supports_prompt_logprobs
+        # Hidden-state capture (EngineConfig.hidden_state_layers): the step also returns
+        # the chosen layers' rows in chunks of `chunk` rows; dispatch copies only the
+        # chunks holding requested rows (paged_jax.worker.capture).
+        self.capture = capture_hook(model, config, hidden_path)
+        capture = self.capture
 
         def step_fn(
             weights: Any,
@@ -490,13 +509,26 @@ class Runner:
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             if kv_scales is not None:
                 extra["kv_scales"] = kv_scales
-            hidden_chunks = ()
-            if hidden_path:
+            hidden_chunks = ((), ())  # (last layer's, captured layers') row chunks
+            if capture is not None:
+                hidden, kv_caches, captured = m.forward_paged_hidden(
+                    token_ids,
+                    positions,
+                    kv_caches,
+                    attention,
+                    attention_backend=backend,
+                    hook=capture,
+                    **extra,
+                )
+                logits = m.logits(hidden[attention.logits_indices])
+                captured = capture.finish(captured, hidden, getattr(m, "final_norm", None))
+                hidden_chunks = (split_rows(hidden, chunk), capture_chunks(captured, chunk))
+            elif hidden_path:
                 hidden, kv_caches = m.forward_paged_hidden(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
                 )
                 logits = m.logits(hidden[attention.logits_indices])
-                hidden_chunks = split_rows(hidden, chunk)
+                hidden_chunks = (split_rows(hidden, chunk), ())
             else:
                 logits, kv_caches = m.forward_paged(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
@@ -640,6 +672,7 @@ class Runner:
         *,
         prompt_rows: np.ndarray | None = None,
         prompt_targets: np.ndarray | None = None,
+        hidden_state_rows: np.ndarray | None = None,
     ) -> PendingStep:
         """Launches one bucketed step without waiting for it (JAX async dispatch).
 
@@ -657,16 +690,25 @@ class Runner:
                 the step, one per chunk of prompt_chunk rows holding any of them.
             prompt_targets: i32[N] the token each of those rows' logprob and rank are
                 read at (the prompt's next token).
+            hidden_state_rows: i32[M] token rows whose captured hidden states
+                (EngineConfig.hidden_state_layers) are copied to the host, or None: only
+                the fixed-size chunks holding them leave the device
+                (StepResult.hidden_states).
         """
-        out, hidden_chunks = self._launch(step)
+        out, (hidden_chunks, captured_chunks) = self._launch(step)
         prompt = None
         if prompt_rows is not None and len(prompt_rows):
             assert self.supports_prompt_logprobs, "prompt logprobs asked of a model without them"
             prompt = self._dispatch_prompt_logprobs(hidden_chunks, prompt_rows, prompt_targets)
-        return PendingStep(out, step.num_seqs, with_logprobs, prompt)
+        captured = None
+        if hidden_state_rows is not None and len(hidden_state_rows):
+            assert self.capture is not None, "hidden states asked of an engine without layers"
+            captured = PendingCapture(captured_chunks, hidden_state_rows, self.prompt_chunk)
+        return PendingStep(out, step.num_seqs, with_logprobs, prompt, captured)
 
-    def _launch(self, step: StepInput) -> tuple[SamplerOutput, tuple[jax.Array, ...]]:
-        """Dispatches the step's copies and the step; the sampler's outputs, hidden chunks."""
+    def _launch(self, step: StepInput) -> tuple[SamplerOutput, tuple[tuple[jax.Array, ...], ...]]:
+        """Dispatches the step's copies and the step; the sampler's outputs and the row
+        chunks (the last layer's, the captured layers')."""
         self.run_copies(step.copies)
         result = self.step_program(step)(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
@@ -869,7 +911,7 @@ class Runner:
                 out, chunks = self._launch(step)
                 result = PendingStep(out, step.num_seqs).result()
                 assert result.token_ids.shape[0] == 0, "a padding-only step produced samples"
-                hidden_chunk[:] = chunks[:1]
+                hidden_chunk[:] = chunks[0][:1]
 
             build(
                 i, program_name(step), self.jitted_step, lambda s=step: self.step_args(s), run_step

@@ -1,0 +1,140 @@
+"""Hidden states out: per request, the captured residual-stream rows, collected step by step.
+
+A request with SamplingParams.return_hidden_states has every token it runs through the
+model captured at the engine's EngineConfig.hidden_state_layers. Rows are kept by
+position, like prompt logprobs: a position computed again (after a preemption by
+recompute, or a rolled-back step) is skipped, and positions arrive in order from the
+first missing one.
+
+    tokens     p0  p1  p2 | g0  g1  g2       (prompt of 3, 3 generated tokens)
+    position    0   1   2 |  3   4   (5)     position 3 consumed g0, 4 consumed g1
+    rows       prompt: 0..2 | generated: 3..4 (g2 is never fed back: N - 1 rows)
+
+The request never reads the prefix cache (``Request.skip_reading_prefix_cache``), so
+every prompt row is computed rather than silently missing. Pure Python and numpy; never
+imports jax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ActivationCapture", "HiddenStates"]
+
+
+class HiddenStates:
+    """One request's captured rows, in position order, without duplicates or gaps.
+
+    Args:
+        layers: the engine's hidden_state_layers (the order of the values' first axis).
+        num_prompt_tokens: positions below it are prompt rows, the rest generated rows.
+    """
+
+    def __init__(self, layers: Sequence[int], num_prompt_tokens: int):
+        self.layers = tuple(layers)
+        self.num_prompt_tokens = num_prompt_tokens
+        self._parts: list[np.ndarray] = []  # f32[K, n, hidden] in position order
+        self.num_positions = 0  # positions [0, num_positions) are recorded
+
+    def wanted(self, start: int, end: int) -> range:
+        """The positions of [start, end) (one scheduled chunk) not recorded yet."""
+        return range(max(start, self.num_positions), end)
+
+    def add(self, positions: range, values: np.ndarray) -> None:
+        """Records f32[K, len(positions), hidden]; positions already held are skipped."""
+        skip = max(self.num_positions - positions.start, 0)
+        if skip >= len(positions):
+            return
+        assert positions.start + skip == self.num_positions, (
+            f"hidden states of position {positions.start + skip} arrived before position "
+            f"{self.num_positions}'s: a position was skipped (a prefix-cache hit on a "
+            "request that must not read the cache?)"
+        )
+        self._parts.append(np.asarray(values[:, skip:], np.float32))
+        self.num_positions = positions.stop
+
+    def output(self, num_output_tokens: int) -> tuple[dict[int, Any], dict[int, Any]]:
+        """({layer: prompt rows}, {layer: generated rows}) for a request that generated
+        ``num_output_tokens`` tokens (N - 1 generated rows: the last is never fed back)."""
+        if self._parts:
+            rows = np.concatenate(self._parts, axis=1)
+        else:
+            rows = np.zeros((len(self.layers), 0, 0), np.float32)
+        p = self.num_prompt_tokens
+        end = p + max(num_output_tokens - 1, 0)
+        prompt = {layer: rows[k, :p] for k, layer in enumerate(self.layers)}
+        generated = {layer: rows[k, p:end] for k, layer in enumerate(self.layers)}
+        return prompt, generated
+
+
+class ActivationCapture:
+    """The engine's hidden-state component: which rows of a step to copy, and where they go.
+
+    Args:
+        layers: EngineConfig.hidden_state_layers; () means no request may ask.
+    """
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = tuple(layers)
+        self.requests: dict[str, HiddenStates] = {}
+
+    def check(self, params: Any) -> None:
+        """Raises ValueError when ``params`` asks for hidden states this engine cannot give."""
+        if not params.return_hidden_states:
+            return
+        if not self.layers:
+            raise ValueError(
+                "SamplingParams.return_hidden_states=True needs an engine built with "
+                "EngineConfig.hidden_state_layers (e.g. (0, -1)); this one has ()"
+            )
+        if params.n > 1:
+            raise ValueError(
+                f"SamplingParams.n={params.n} must be 1 with return_hidden_states=True "
+                "(one request per sequence: the samples share their prompt's rows)"
+            )
+
+    def add(self, request_id: str, num_prompt_tokens: int) -> None:
+        self.requests[request_id] = HiddenStates(self.layers, num_prompt_tokens)
+
+    def remove(self, request_id: str) -> HiddenStates | None:
+        return self.requests.pop(request_id, None)
+
+    def rows(self, seqs: Sequence[Any]) -> tuple[np.ndarray, list[tuple[HiddenStates, range]]]:
+        """The step's token rows some request still lacks, and per request its positions.
+
+        ``seqs`` are the scheduled sequences (req_id, num_computed_tokens,
+        num_new_tokens) in the order InputBatch.prepare packs their rows.
+        """
+        rows: list[int] = []
+        parts = []
+        start = 0
+        for seq in seqs:
+            states = self.requests.get(seq.req_id)
+            if states is not None:
+                first = seq.num_computed_tokens
+                wanted = states.wanted(first, first + seq.num_new_tokens)
+                if wanted:
+                    rows.extend(range(start + wanted.start - first, start + wanted.stop - first))
+                    parts.append((states, wanted))
+            start += seq.num_new_tokens
+        return np.asarray(rows, np.int32), parts
+
+    @staticmethod
+    def record(parts: Sequence[tuple[HiddenStates, range]], values: np.ndarray) -> None:
+        """Files a read step's rows (f32[K, M, hidden], ``rows``' order) with their requests."""
+        i = 0
+        for states, positions in parts:
+            j = i + len(positions)
+            states.add(positions, values[:, i:j])
+            i = j
+
+    def attach(self, out: Any) -> Any:
+        """Sets a finished EngineOutput's prompt_hidden_states and hidden_states (when its
+        request asked) and forgets the request."""
+        states = self.remove(out.request_id)
+        if states is not None:
+            out.prompt_hidden_states, out.hidden_states = states.output(len(out.token_ids))
+        return out
