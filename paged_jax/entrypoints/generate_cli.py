@@ -34,6 +34,9 @@ from paged_jax.entrypoints.data_parallel import (
     check_data_parallel_args,
 )
 from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
+from paged_jax.entrypoints.hidden_state_files import (
+    write_hidden_state_files,
+)
 from paged_jax.entrypoints.job import SIZED_FIELDS, JobRequest, JobSize, make_requests, size_engine
 from paged_jax.entrypoints.output_file import (
     JsonlStream,
@@ -138,6 +141,9 @@ SAMPLING_FLAGS = {
     "repetition_penalty": Flag("> 0; 1 = off"),
     "include_stop_str_in_output": Flag("keep the stop string / stop token text in the output text"),
     "skip_special_tokens": Flag("keep special tokens in the output text"),
+    "return_hidden_states": Flag(
+        "write the --hidden-state-layers rows of every line as .npy files beside --output"
+    ),
 }
 SAMPLING_ABSENT = {
     # Not one flag per field: one of three flags builds the constraint (add_constraint_flags).
@@ -219,6 +225,11 @@ ENGINE_FLAGS = {
         "multi-process engine: seconds to wait for every process to join before failing "
         "(a peer that never starts)",
         name="distributed-init-timeout",
+    ),
+    "hidden_state_layers": Flag(
+        "layers whose residual stream lines may ask for (return_hidden_states): i = after "
+        "decoder layer i, -1 = the final-norm output",
+        extra={"nargs": "+", "metavar": "LAYER"},
     ),
 }
 ENGINE_ABSENT = {
@@ -883,7 +894,11 @@ def _generate(
                 if records.bar is not None:
                     rate = num_generated / max(time.perf_counter() - start, 1e-9)
                     records.bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
-                if records.emit(request_record(line, out)):
+                record = request_record(line, out)
+                if plan.output is not None:
+                    target = plan.output.target
+                    record.update(write_hidden_state_files(target, line.index, out))
+                if records.emit(record):
                     records.results.append(out)
             if records.output_error is not None:  # stop: no further record can be kept
                 return None, list(unfinished.values())
