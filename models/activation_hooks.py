@@ -11,6 +11,14 @@ fixed set of layers in one buffer of fixed shape:
 
 Index -1 (the final-norm output, what the LM head reads) is filled by the caller once the
 layers are done (``CaptureLayers.finish``).
+
+``SteerLayers`` adds a per-sequence vector to the residual stream after chosen layers
+(zero rows for unsteered sequences), every token of a sequence getting its row:
+
+    vectors f32[J + 1, S, hidden]   slot j = the j-th steerable layer, slot J = zeros
+    after layer i:  x += vectors[slot_of_layer[i], seq_of_token]
+
+``StepHooks`` runs both, steering first, so a captured row is the steered stream.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CaptureLayers"]
+__all__ = ["CaptureLayers", "SteerLayers", "StepHooks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +64,6 @@ class CaptureLayers:
         """The empty buffer for a step whose residual stream is ``x``."""
         return jnp.zeros((self.num_slots + 1, *x.shape), jnp.float32)
 
-    def _slot_table(self) -> jax.Array:  # i32[num_layers]: slot of each layer, K if none
-        slots = [self.num_slots] * self.num_layers
-        for k, i in enumerate(self.layers):
-            if i >= 0:
-                slots[i] = k
-        return jnp.asarray(slots, jnp.int32)
-
     def after_layer(
         self,
         state: jax.Array,  # f32[K + 1, T, hidden]
@@ -70,7 +71,7 @@ class CaptureLayers:
         x: jax.Array,  # f[T, hidden]
     ) -> tuple[jax.Array, jax.Array]:
         """Stores x in its layer's slot (the discard slot when not captured); x unchanged."""
-        slot = self._slot_table()[layer]
+        slot = _slots(self.layers, self.num_layers)[layer]
         state = jax.lax.dynamic_update_index_in_dim(state, x.astype(jnp.float32), slot, 0)
         return state, x
 
@@ -85,6 +86,82 @@ class CaptureLayers:
             normed = x if final_norm is None else final_norm(x)
             state = state.at[self.layers.index(-1)].set(normed.astype(jnp.float32))
         return state[: self.num_slots]
+
+
+def _slots(layers: tuple[int, ...], num_layers: int) -> jax.Array:
+    """i32[num_layers]: the position of each layer in ``layers``, len(layers) if absent."""
+    slots = [len(layers)] * num_layers
+    for k, i in enumerate(layers):
+        if i >= 0:
+            slots[i] = k
+    return jnp.asarray(slots, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SteerLayers:
+    """Adds each sequence's vector to the residual stream after the steerable layers.
+
+    Built inside the traced step from its inputs.
+
+    Attributes:
+        layers: the steerable decoder layers (EngineConfig.steering_layers), in the order
+            of ``vectors``' first axis.
+        num_layers: the model's depth.
+        vectors: f32[J, S, hidden] per steerable layer and sequence (zeros: unsteered).
+        query_start_loc: i32[S + 1] where each sequence's tokens start in the step.
+    """
+
+    layers: tuple[int, ...]
+    num_layers: int
+    vectors: Any
+    query_start_loc: Any
+
+    def seq_of_token(self, num_tokens: int) -> jax.Array:  # i32[T]; S for padding rows
+        ends = self.query_start_loc[1:]
+        return jnp.searchsorted(ends, jnp.arange(num_tokens, dtype=ends.dtype), side="right")
+
+    def after_layer(
+        self,
+        rows: jax.Array,  # f32[J + 1, T, hidden]: per slot, each token's vector
+        layer: int | jax.Array,
+        x: jax.Array,  # f[T, hidden]
+    ) -> jax.Array:
+        slot = _slots(self.layers, self.num_layers)[layer]
+        add = jax.lax.dynamic_index_in_dim(rows, slot, 0, keepdims=False)
+        return (x.astype(jnp.float32) + add).astype(x.dtype)
+
+    def token_rows(self, num_tokens: int) -> jax.Array:  # f32[J + 1, T, hidden]
+        """Each token's vector per slot (its sequence's; zeros for padding and slot J)."""
+        vectors = self.vectors.astype(jnp.float32)
+        zeros = jnp.zeros((vectors.shape[0], 1, vectors.shape[2]), jnp.float32)
+        by_seq = jnp.concatenate([vectors, zeros], axis=1)  # row S: padding tokens
+        seq = jnp.minimum(self.seq_of_token(num_tokens), vectors.shape[1])
+        rows = by_seq[:, seq]
+        return jnp.concatenate([rows, jnp.zeros_like(rows[:1])], axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHooks:
+    """The step's hooks together: steering (if any), then capture (if any).
+
+    The state is (capture buffer or None, per-token steering rows or None).
+    """
+
+    capture: CaptureLayers | None = None
+    steer: SteerLayers | None = None
+
+    def init(self, x: jax.Array) -> tuple[Any, Any]:
+        buffer = None if self.capture is None else self.capture.init(x)
+        rows = None if self.steer is None else self.steer.token_rows(x.shape[0])
+        return buffer, rows
+
+    def after_layer(self, state: tuple[Any, Any], layer: int | jax.Array, x: jax.Array):
+        buffer, rows = state
+        if self.steer is not None:
+            x = self.steer.after_layer(rows, layer, x)
+        if self.capture is not None:
+            buffer, x = self.capture.after_layer(buffer, layer, x)
+        return (buffer, rows), x
 
 
 def run_hook(hook: Any, state: Any, layer: int | jax.Array, x: jax.Array) -> tuple[Any, jax.Array]:

@@ -1,4 +1,4 @@
-"""Hidden states out: per request, the captured residual-stream rows, collected step by step.
+"""Activations on the host: hidden states out (collected per request) and steering rows in.
 
 A request with SamplingParams.return_hidden_states has every token it runs through the
 model captured at the engine's EngineConfig.hidden_state_layers. Rows are kept by
@@ -17,12 +17,14 @@ imports jax.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ActivationCapture", "HiddenStates"]
+__all__ = ["ActivationCapture", "HiddenStates", "SteeringRows"]
 
 
 class HiddenStates:
@@ -138,3 +140,74 @@ class ActivationCapture:
         if states is not None:
             out.prompt_hidden_states, out.hidden_states = states.output(len(out.token_ids))
         return out
+
+
+class SteeringRows:
+    """The engine's steering component: checks requests' vectors and packs a step's rows.
+
+    Args:
+        layers: EngineConfig.steering_layers; () means no request may steer.
+        hidden_size: the model's (every vector's length).
+    """
+
+    def __init__(self, layers: Sequence[int], hidden_size: int):
+        self.layers = tuple(layers)
+        self.hidden_size = hidden_size
+        self._rows: dict[Any, np.ndarray] = {}  # SamplingParams -> f32[J, hidden]
+
+    def check(self, params: Any) -> None:
+        """Raises ValueError naming the layer or the length this engine cannot steer."""
+        vectors = params.steering_vectors
+        if vectors is None:
+            return
+        for layer, vector in vectors:
+            if layer not in self.layers:
+                raise ValueError(
+                    f"SamplingParams.steering_vectors layer {layer!r} must be one of the "
+                    f"engine's EngineConfig.steering_layers={self.layers!r}"
+                )
+            if len(vector) != self.hidden_size:
+                raise ValueError(
+                    f"SamplingParams.steering_vectors[{layer}] has length {len(vector)}; "
+                    f"expected hidden_size={self.hidden_size}"
+                )
+
+    @staticmethod
+    def cache_salt(cache_salt: str | None, params: Any) -> str | None:
+        """``cache_salt`` with a digest of the request's vectors (enters the first block's
+        hash, hence every block's by chaining): steered and unsteered KV never meet."""
+        vectors = params.steering_vectors
+        if vectors is None:
+            return cache_salt
+        h = hashlib.sha256()
+        for layer, vector in vectors:
+            h.update(layer.to_bytes(4, "little", signed=True))
+            h.update(np.asarray(vector, np.float32).tobytes())
+        return f"{cache_salt or ''}\x00steering:{h.hexdigest()}"
+
+    def rows_of(self, params: Any) -> np.ndarray:  # f32[J, hidden]
+        rows = self._rows.get(params)
+        if rows is None:
+            if len(self._rows) > 1024:  # params of long-gone requests
+                self._rows.clear()
+            rows = np.zeros((len(self.layers), self.hidden_size), np.float32)
+            for layer, vector in params.steering_vectors:
+                rows[self.layers.index(layer)] = vector
+            self._rows[params] = rows
+        return rows
+
+    def apply(self, step: Any, requests: Sequence[Any]) -> Any:
+        """The StepInput with its steering rows f32[J, S, hidden] (unchanged when no
+        scheduled request steers: the runner passes its resident zeros).
+        ``requests``: the step's Requests in row order."""
+        steered = [
+            (s, req.sampling_params)
+            for s, req in enumerate(requests)
+            if req.sampling_params.steering_vectors is not None
+        ]
+        if not steered:
+            return step
+        vectors = np.zeros((len(self.layers), step.bucket[1], self.hidden_size), np.float32)
+        for s, params in steered:
+            vectors[:, s] = self.rows_of(params)
+        return dataclasses.replace(step, steering=vectors)

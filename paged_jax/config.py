@@ -126,6 +126,9 @@ class EngineConfig:
             "Activations"): ``i`` is the output of decoder layer ``i`` (transformers'
             ``hidden_states[i + 1]``, before any final norm), ``-1`` the final-norm
             output. () (the default) builds programs without capture.
+        steering_layers: the decoder layers whose output SamplingParams.steering_vectors
+            may add a vector to (indices in [0, num_hidden_layers)); () builds programs
+            without steering.
     """
 
     block_size: int = 16
@@ -155,6 +158,7 @@ class EngineConfig:
     lockstep_check_interval: int = 16
     speculative_config: SpeculativeConfig | None = None
     hidden_state_layers: tuple[int, ...] = ()
+    steering_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if (
@@ -244,18 +248,22 @@ class EngineConfig:
         if spec is not None and not isinstance(spec, SpeculativeConfig | dict):
             fail(self, "speculative_config", "None, a SpeculativeConfig or a dict of vLLM's keys")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.coerce(spec))
-        layers = self.hidden_state_layers
-        if isinstance(layers, list | tuple) and all(is_int(i) for i in layers):
-            object.__setattr__(self, "hidden_state_layers", tuple(int(i) for i in layers))
-        layers = self.hidden_state_layers
-        if (
-            not isinstance(layers, tuple)
-            or not all(is_int(i) and i >= -1 for i in layers)
-            or len(set(layers)) != len(layers)
+        for name, lowest, what in (
+            ("hidden_state_layers", -1, "a tuple of distinct ints >= -1 (-1 = final norm)"),
+            ("steering_layers", 0, "a tuple of distinct ints >= 0 (decoder layers)"),
         ):
-            fail(self, "hidden_state_layers", "a tuple of distinct ints >= -1 (-1 = final norm)")
-        if layers and self.speculative_config is not None:
-            fail(self, "hidden_state_layers", "() with speculative_config (not supported yet)")
+            layers = getattr(self, name)
+            if isinstance(layers, list | tuple) and all(is_int(i) for i in layers):
+                layers = tuple(int(i) for i in layers)
+                object.__setattr__(self, name, layers)
+            if (
+                not isinstance(layers, tuple)
+                or not all(is_int(i) and i >= lowest for i in layers)
+                or len(set(layers)) != len(layers)
+            ):
+                fail(self, name, what)
+            if layers and self.speculative_config is not None:
+                fail(self, name, "() with speculative_config (not supported yet)")
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:

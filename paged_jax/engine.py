@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.activations import ActivationCapture
+from paged_jax.activations import ActivationCapture, SteeringRows
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
@@ -122,6 +122,7 @@ class Engine:
         self.output = OutputProcessor(detokenize)
         # Hidden states out (EngineConfig.hidden_state_layers): which rows to copy, per request.
         self.activations = ActivationCapture(config.hidden_state_layers)
+        self.steering = SteeringRows(config.steering_layers, int(mcfg.hidden_size))
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
@@ -238,6 +239,8 @@ class Engine:
         params = _sampling_params(sampling_params, SamplingParams())
         if self._id_taken(request_id):
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
+        self.steering.check(params)
+        cache_salt = self.steering.cache_salt(cache_salt, params)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -514,6 +517,8 @@ class Engine:
                 step = batch.prepare(out.scheduled, out.block_copies, out.spec_token_ids)
                 if matchers:
                     step = self.structured.bitmask(step, out.scheduled, self.runner.bitmask_width)
+                if self.steering.layers:
+                    step = self.steering.apply(step, self._scheduled_requests(out))
                 rows = targets = prompt = None
                 if output.prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = output.prompt_rows(out.scheduled)
@@ -530,9 +535,7 @@ class Engine:
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
-                requests = out.scheduled_requests
-                if len(requests) != len(out.scheduled):  # an output built by hand
-                    requests = [sched.requests[seq.req_id] for seq in out.scheduled]
+                requests = self._scheduled_requests(out)
                 launched = InFlightStep(out, requests, pending, cached, prompt or [], captured)
                 self._num_steps += 1
             ready = launched
@@ -557,6 +560,13 @@ class Engine:
         if launched is not None or ready is not None:
             output.times.record(step_s, wait_s, schedule_s, prepare_s, dispatch_s, process_s)
         return finished
+
+    def _scheduled_requests(self, out: SchedulerOutput) -> list[Request]:
+        """The Requests of ``out.scheduled``, in its (the step's row) order."""
+        requests = out.scheduled_requests
+        if len(requests) != len(out.scheduled):  # an output built by hand
+            requests = [self.scheduler.requests[seq.req_id] for seq in out.scheduled]
+        return requests
 
     def _read_in_flight(self) -> list[EngineOutput]:
         """step() without scheduling: reads the async step in flight (see step())."""

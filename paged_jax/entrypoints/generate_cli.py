@@ -146,6 +146,7 @@ SAMPLING_FLAGS = {
     ),
 }
 SAMPLING_ABSENT = {
+    "steering_vectors": 'a vector per layer: the prompts file\'s "steering_vectors" line key',
     # Not one flag per field: one of three flags builds the constraint (add_constraint_flags).
     "structured_outputs": "--json-schema FILE, --regex PATTERN or --choice A,B,C",
 }
@@ -229,6 +230,10 @@ ENGINE_FLAGS = {
     "hidden_state_layers": Flag(
         "layers whose residual stream lines may ask for (return_hidden_states): i = after "
         "decoder layer i, -1 = the final-norm output",
+        extra={"nargs": "+", "metavar": "LAYER"},
+    ),
+    "steering_layers": Flag(
+        "decoder layers that lines may steer (their steering_vectors key)",
         extra={"nargs": "+", "metavar": "LAYER"},
     ),
 }

@@ -1,4 +1,4 @@
-"""Hidden-state capture on the device side: the step's hook and the copy of requested rows.
+"""Activations on the device side: the step's hooks (capture, steering) and the copy of rows.
 
 With ``EngineConfig.hidden_state_layers`` every step program runs the model with a
 ``CaptureLayers`` hook and also returns the captured layers' rows, cut into chunks of a
@@ -13,6 +13,7 @@ device always has the same per-chunk shape (no program is built for it).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -21,28 +22,97 @@ import numpy as np
 
 from paged_jax.config import EngineConfig
 from paged_jax.constants import cdiv
-from paged_jax.models.activation_hooks import CaptureLayers
+from paged_jax.models.activation_hooks import CaptureLayers, SteerLayers, StepHooks
 
-__all__ = ["PendingCapture", "capture_chunks", "capture_hook"]
+__all__ = ["ActivationStep", "PendingCapture", "activation_hooks", "capture_chunks"]
 
 
-def capture_hook(model: Any, config: EngineConfig, hidden_path: bool) -> CaptureLayers | None:
-    """The step's capture hook for ``config.hidden_state_layers`` (None when empty).
+@dataclasses.dataclass(frozen=True)
+class ActivationStep:
+    """How a step program runs the model with activation hooks (models.activation_hooks).
+
+    Attributes:
+        capture_layers: EngineConfig.hidden_state_layers.
+        steer_layers: EngineConfig.steering_layers.
+        num_layers / hidden_size: the model's.
+    """
+
+    capture_layers: tuple[int, ...]
+    steer_layers: tuple[int, ...]
+    num_layers: int
+    hidden_size: int
+
+    def forward(
+        self,
+        model: Any,
+        steering: jax.Array | None,  # f32[J, S, hidden]
+        token_ids: jax.Array,  # i32[T]
+        positions: jax.Array,  # i32[T]
+        kv_caches: Any,
+        attention: Any,  # AttentionMetadata
+        backend: Any,
+        extra: dict[str, Any],
+    ) -> tuple[jax.Array, Any, jax.Array | None]:  # f[T, hidden], caches, f32[K, T, hidden]
+        """The model's hooked paged forward: its last layer's output, the caches and the
+        captured rows (None without capture layers)."""
+        capture = (
+            CaptureLayers(self.capture_layers, self.num_layers) if self.capture_layers else None
+        )
+        steer = None
+        if self.steer_layers:
+            steer = SteerLayers(
+                self.steer_layers, self.num_layers, steering, attention.query_start_loc
+            )
+        hidden, kv_caches, (buffer, _) = model.forward_paged_hidden(
+            token_ids,
+            positions,
+            kv_caches,
+            attention,
+            attention_backend=backend,
+            hook=StepHooks(capture, steer),
+            **extra,
+        )
+        if capture is None:
+            return hidden, kv_caches, None
+        return hidden, kv_caches, capture.finish(buffer, hidden, getattr(model, "final_norm", None))
+
+    def chunks(self, captured: jax.Array | None, rows: int) -> tuple[jax.Array, ...]:
+        """The captured rows in chunks of ``rows`` (capture_chunks); () without capture."""
+        return () if captured is None else capture_chunks(captured, rows)
+
+    def zero_steering(self, num_seqs: int) -> np.ndarray:  # f32[J, num_seqs, hidden]
+        return np.zeros((len(self.steer_layers), num_seqs, self.hidden_size), np.float32)
+
+
+def activation_hooks(model: Any, config: EngineConfig, hidden_path: bool) -> ActivationStep | None:
+    """The step's ActivationStep for ``config``'s hidden_state_layers and steering_layers
+    (None when both are empty).
 
     Raises:
         ValueError: layers given for a model without forward_paged_hidden, or an index
-            outside [-1, num_hidden_layers).
+            outside the model's layers (-1 allowed for capture only).
     """
-    layers = tuple(config.hidden_state_layers)
-    if not layers:
+    capture = tuple(config.hidden_state_layers)
+    steer = tuple(config.steering_layers)
+    if not capture and not steer:
         return None
+    name = "hidden_state_layers" if capture else "steering_layers"
     if not hidden_path:
         raise ValueError(
-            f"EngineConfig.hidden_state_layers={layers!r} needs a model with "
+            f"EngineConfig.{name}={capture or steer!r} needs a model with "
             f"forward_paged_hidden and logits (every paged_jax.models model); "
-            f"{type(model).__name__} has not: pass hidden_state_layers=()"
+            f"{type(model).__name__} has not: pass {name}=()"
         )
-    return CaptureLayers(layers, int(model.config.num_hidden_layers))
+    num_layers = int(model.config.num_hidden_layers)
+    if capture:
+        CaptureLayers(capture, num_layers)  # checks the indices, naming the field
+    for i in steer:
+        if not 0 <= i < num_layers:
+            raise ValueError(
+                f"steering_layers entry {i!r} must be in [0, {num_layers}) (the model has "
+                f"{num_layers} decoder layers)"
+            )
+    return ActivationStep(capture, steer, num_layers, int(model.config.hidden_size))
 
 
 def capture_chunks(

@@ -49,7 +49,7 @@ from paged_jax.models.layer_scan import (
     plan_layer_scan,
     split_without_layers,
 )
-from paged_jax.worker.capture import PendingCapture, capture_chunks, capture_hook
+from paged_jax.worker.capture import PendingCapture, activation_hooks
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
@@ -486,11 +486,12 @@ class Runner:
         ) and callable(getattr(model, "logits", None))
         self.prompt_chunk = prompt_chunk_size(config)
         chunk, hidden_path = self.prompt_chunk, self.supports_prompt_logprobs
-        # Hidden-state capture (EngineConfig.hidden_state_layers): the step also returns
-        # the chosen layers' rows in chunks of `chunk` rows; dispatch copies only the
-        # chunks holding requested rows (paged_jax.worker.capture).
-        self.capture = capture_hook(model, config, hidden_path)
-        capture = self.capture
+        # Activations (EngineConfig.hidden_state_layers, steering_layers): the step runs
+        # the model with hooks after its layers; it also returns the captured layers' rows
+        # in chunks of `chunk` rows, and dispatch copies only the chunks holding requested
+        # rows (paged_jax.worker.capture).
+        self.activations = activation_hooks(model, config, hidden_path)
+        hooks = self.activations
 
         def step_fn(
             weights: Any,
@@ -504,25 +505,19 @@ class Runner:
             feed: TokenFeed,
             spec: SpecDecodeInput | None = None,
             draft_probs: jax.Array | None = None,  # f32[max_num_seqs, k, V] by row
+            steering: jax.Array | None = None,  # f32[J, S, hidden]; steering_layers only
         ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
             if kv_scales is not None:
                 extra["kv_scales"] = kv_scales
             hidden_chunks = ((), ())  # (last layer's, captured layers') row chunks
-            if capture is not None:
-                hidden, kv_caches, captured = m.forward_paged_hidden(
-                    token_ids,
-                    positions,
-                    kv_caches,
-                    attention,
-                    attention_backend=backend,
-                    hook=capture,
-                    **extra,
+            if hooks is not None:
+                hidden, kv_caches, captured = hooks.forward(
+                    m, steering, token_ids, positions, kv_caches, attention, backend, extra
                 )
                 logits = m.logits(hidden[attention.logits_indices])
-                captured = capture.finish(captured, hidden, getattr(m, "final_norm", None))
-                hidden_chunks = (split_rows(hidden, chunk), capture_chunks(captured, chunk))
+                hidden_chunks = (split_rows(hidden, chunk), hooks.chunks(captured, chunk))
             elif hidden_path:
                 hidden, kv_caches = m.forward_paged_hidden(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
@@ -624,6 +619,7 @@ class Runner:
         self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,), **tp_out)
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
+        self._zero_steering: dict[int, jax.Array] = {}  # num_seqs bucket -> f32[J, S, H]
         self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Structured outputs: words per bitmask row (cdiv(V, 32)), and the all-ones
         # bitmask of each num_seqs bucket.
@@ -662,7 +658,20 @@ class Runner:
             step.feed,
             step.spec,
             self.draft_probs if step.spec is not None else None,
+            self._steering_rows(step),
         )
+
+    def _steering_rows(self, step: StepInput) -> Any:
+        """The step's steering vectors f32[J, S, hidden] (EngineConfig.steering_layers); a
+        step without a steered row gets a resident zero array of the bucket's shape."""
+        if self.activations is None or not self.activations.steer_layers:
+            return None
+        if step.steering is not None:
+            return step.steering
+        s = step.attention.seq_lens.shape[0]
+        if s not in self._zero_steering:
+            self._zero_steering[s] = jax.device_put(self.activations.zero_steering(s))
+        return self._zero_steering[s]
 
     @counting_compiles
     def dispatch(
@@ -702,7 +711,9 @@ class Runner:
             prompt = self._dispatch_prompt_logprobs(hidden_chunks, prompt_rows, prompt_targets)
         captured = None
         if hidden_state_rows is not None and len(hidden_state_rows):
-            assert self.capture is not None, "hidden states asked of an engine without layers"
+            assert self.activations is not None and self.activations.capture_layers, (
+                "hidden states asked of an engine without hidden_state_layers"
+            )
             captured = PendingCapture(captured_chunks, hidden_state_rows, self.prompt_chunk)
         return PendingStep(out, step.num_seqs, with_logprobs, prompt, captured)
 

@@ -241,6 +241,9 @@ class StepInput:
     num_tokens: int  # real (unpadded) tokens
     num_seqs: int  # real (unpadded) sequences
     spec: SpecDecodeInput | None = None  # speculative engines: every step carries one
+    # EngineConfig.steering_layers: per steerable layer and sequence the vector added to
+    # the residual stream (zero rows: unsteered); None: no row steered (paged_jax.activations).
+    steering: Any = None  # f32[J, S, hidden]
 
     @property
     def bucket(self) -> tuple[int, int]:
