@@ -18,7 +18,9 @@ layers are done (``CaptureLayers.finish``).
     vectors f32[J + 1, S, hidden]   slot j = the j-th steerable layer, slot J = zeros
     after layer i:  x += vectors[slot_of_layer[i], seq_of_token]
 
-``StepHooks`` runs both, steering first, so a captured row is the steered stream.
+``StepHooks`` runs both, steering first, so a captured row is the steered stream, and
+carries the step's prompt-embedding rows (``input_rows``), which the forward's embedding
+takes instead of the table's rows where their mask is set.
 """
 
 from __future__ import annotations
@@ -149,6 +151,8 @@ class StepHooks:
 
     capture: CaptureLayers | None = None
     steer: SteerLayers | None = None
+    # (f[T, embed] rows, bool[T] mask): prompt embeddings replacing the table's rows
+    input_rows: tuple[Any, Any] | None = None
 
     def init(self, x: jax.Array) -> tuple[Any, Any]:
         buffer = None if self.capture is None else self.capture.init(x)

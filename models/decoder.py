@@ -202,13 +202,27 @@ class CausalLM(nnx.Module):
 
     # -- forwards -----------------------------------------------------------------------
 
+    def lookup(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> f[..., embed]
+        """What transformers' ``get_input_embeddings()`` returns for ``token_ids`` (its
+        ``inputs_embeds``): the table's rows (scaled, for families whose embedding
+        module scales)."""
+        return self.embed_tokens(token_ids)
+
     def embed(
         self,
         token_ids: jax.Array,  # i32[...]
         positions: jax.Array,  # i32[...]
+        replace: tuple[jax.Array, jax.Array] | None = None,  # f[..., embed], bool[...]
     ) -> jax.Array:  # f[..., hidden]
-        """The input embedding: token (projected in) plus learned position, as the family has."""
-        x = self.embed_tokens(token_ids)
+        """The input embedding: token (projected in) plus learned position, as the family has.
+
+        Where ``replace``'s mask is set, its rows stand for ``lookup``'s (prompt
+        embeddings, transformers' ``inputs_embeds``).
+        """
+        x = self.lookup(token_ids)
+        if replace is not None:
+            rows, mask = replace
+            x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
         if self.project_in is not None:
             x = self.project_in(x)
         if self.embed_positions is not None:
@@ -307,7 +321,11 @@ class CausalLM(nnx.Module):
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
-        x = self.embed(token_ids, positions)
+        replace = getattr(hook, "input_rows", None)  # prompt embeddings, if the hook has them
+        if replace is None:
+            x = self.embed(token_ids, positions)
+        else:
+            x = self.embed(token_ids, positions, replace)
         state = None if hook is None else hook.init(x)
         if layers is not None:
             x, new_caches, state = layers.run(

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ActivationCapture", "HiddenStates", "SteeringRows"]
+__all__ = ["ActivationCapture", "HiddenStates", "PromptEmbeds", "SteeringRows"]
 
 
 class HiddenStates:
@@ -211,3 +211,74 @@ class SteeringRows:
         for s, params in steered:
             vectors[:, s] = self.rows_of(params)
         return dataclasses.replace(step, steering=vectors)
+
+
+class PromptEmbeds:
+    """The engine's prompt-embeddings component: checks them, keeps them per request and
+    packs a step's rows (positions below the prompt length take the request's rows).
+
+    Args:
+        enabled: EngineConfig.enable_prompt_embeds.
+        embed_dim: the embedding table's width.
+    """
+
+    def __init__(self, enabled: bool, embed_dim: int):
+        self.enabled = enabled
+        self.embed_dim = embed_dim
+        self.requests: dict[str, np.ndarray] = {}  # request id -> f32[P, embed]
+
+    def check(self, prompt_embeds: Any, params: Any) -> np.ndarray:
+        """f32[P, embed] of ``prompt_embeds``; ValueError naming what is wrong."""
+        if not self.enabled:
+            raise ValueError(
+                "prompt_embeds needs an engine built with EngineConfig.enable_prompt_embeds=True"
+            )
+        try:
+            rows = np.asarray(prompt_embeds, np.float32)
+        except (TypeError, ValueError) as err:
+            raise ValueError(
+                f"prompt_embeds must be a float array [T, hidden_size] ({err})"
+            ) from err
+        if rows.ndim != 2 or rows.shape[0] < 1 or rows.shape[1] != self.embed_dim:
+            raise ValueError(
+                f"prompt_embeds.shape={rows.shape} must be (T >= 1, hidden_size={self.embed_dim})"
+            )
+        if not np.isfinite(rows).all():
+            raise ValueError("prompt_embeds must hold finite values only")
+        if params.n > 1:
+            raise ValueError(f"SamplingParams.n={params.n} must be 1 with prompt_embeds")
+        return rows
+
+    @staticmethod
+    def cache_salt(cache_salt: str | None, rows: np.ndarray) -> str:
+        """``cache_salt`` with a digest of the embedding bytes: the placeholder token ids
+        of two different embedding prompts never share a cached block."""
+        digest = hashlib.sha256(np.ascontiguousarray(rows, np.float32).tobytes()).hexdigest()
+        return f"{cache_salt or ''}\x00prompt_embeds:{rows.shape[0]}:{digest}"
+
+    def add(self, request_id: str, rows: np.ndarray) -> None:
+        self.requests[request_id] = rows
+
+    def remove(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def apply(self, step: Any, seqs: Sequence[Any]) -> Any:
+        """The StepInput with its prompt-embedding rows (f32[T, embed], bool[T]); unchanged
+        when none of its tokens is a prompt position given as an embedding."""
+        rows = mask = None
+        start = 0
+        for seq in seqs:
+            embeds = self.requests.get(seq.req_id)
+            first = seq.num_computed_tokens
+            if embeds is not None and first < len(embeds):
+                if rows is None:
+                    num_tokens = step.token_ids.shape[0]
+                    rows = np.zeros((num_tokens, self.embed_dim), np.float32)
+                    mask = np.zeros(num_tokens, bool)
+                end = min(first + seq.num_new_tokens, len(embeds))
+                rows[start : start + end - first] = embeds[first:end]
+                mask[start : start + end - first] = True
+            start += seq.num_new_tokens
+        if rows is None:
+            return step
+        return dataclasses.replace(step, prompt_embeds=(rows, mask))

@@ -129,6 +129,9 @@ class EngineConfig:
         steering_layers: the decoder layers whose output SamplingParams.steering_vectors
             may add a vector to (indices in [0, num_hidden_layers)); () builds programs
             without steering.
+        enable_prompt_embeds: accept prompts given as embeddings ({"prompt_embeds":
+            f32[T, hidden_size]}, vLLM's names): their rows replace the embedding table's
+            output for the prompt; generation continues from token ids.
     """
 
     block_size: int = 16
@@ -159,6 +162,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     hidden_state_layers: tuple[int, ...] = ()
     steering_layers: tuple[int, ...] = ()
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -207,7 +211,12 @@ class EngineConfig:
             fail(self, "max_model_len", "None or an int >= 2")
         if isinstance(self.scan_layers, bool):  # LLM(scan_layers=True) reads naturally
             object.__setattr__(self, "scan_layers", "on" if self.scan_layers else "off")
-        for name in ("enable_prefix_caching", "async_scheduling", "validate"):
+        for name in (
+            "enable_prefix_caching",
+            "async_scheduling",
+            "validate",
+            "enable_prompt_embeds",
+        ):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
         for name, allowed in (
@@ -264,6 +273,8 @@ class EngineConfig:
                 fail(self, name, what)
             if layers and self.speculative_config is not None:
                 fail(self, name, "() with speculative_config (not supported yet)")
+        if self.enable_prompt_embeds and self.speculative_config is not None:
+            fail(self, "enable_prompt_embeds", "False with speculative_config (not supported yet)")
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from paged_jax.activations import ActivationCapture, SteeringRows
+from paged_jax.activations import ActivationCapture, PromptEmbeds, SteeringRows
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
@@ -123,6 +123,8 @@ class Engine:
         # Hidden states out (EngineConfig.hidden_state_layers): which rows to copy, per request.
         self.activations = ActivationCapture(config.hidden_state_layers)
         self.steering = SteeringRows(config.steering_layers, int(mcfg.hidden_size))
+        embed_dim = int(getattr(mcfg, "word_embed_proj_dim", None) or mcfg.hidden_size)
+        self.prompt_embeds = PromptEmbeds(config.enable_prompt_embeds, embed_dim)
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
@@ -225,8 +227,14 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         """Validates and queues one request; raises ValueError (and adds nothing) on bad input.
+
+        ``prompt_embeds`` (f32[len(prompt_token_ids), hidden_size], with
+        EngineConfig.enable_prompt_embeds) replaces the embedding table's rows of the
+        prompt; ``prompt_token_ids`` are then placeholders (LLM passes zeros) that only
+        the sampler's penalties read.
 
         With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its n
         samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
@@ -241,6 +249,15 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
         self.steering.check(params)
         cache_salt = self.steering.cache_salt(cache_salt, params)
+        embeds = None
+        if prompt_embeds is not None:
+            embeds = self.prompt_embeds.check(prompt_embeds, params)
+            if len(embeds) != len(prompt_token_ids):
+                raise ValueError(
+                    f"len(prompt_token_ids)={len(prompt_token_ids)} must equal the "
+                    f"prompt_embeds rows ({len(embeds)})"
+                )
+            cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -276,6 +293,8 @@ class Engine:
         if params.return_hidden_states:  # every prompt row computed, none from the cache
             req.skip_reading_prefix_cache = True
             self.activations.add(request_id, req.num_prompt_tokens)
+        if embeds is not None:
+            self.prompt_embeds.add(request_id, embeds)
         if params.n > 1:  # a parent: its carrier, or its samples
             self.parallel_sampling.add(req, prompt, self._id_taken)
             return
@@ -420,6 +439,7 @@ class Engine:
             self.structured.remove_request(request_id)
         self.output.remove_request(request_id)
         self.activations.remove(request_id)
+        self.prompt_embeds.remove(request_id)
 
     def _fork(
         self,
@@ -460,6 +480,7 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(rid)
         self.runner.drop_swapped(rid)
+        self.prompt_embeds.remove(rid)
         return self.activations.attach(
             self.output.finish(req, self.scheduler.errors.pop(rid, None))
         )
@@ -519,6 +540,8 @@ class Engine:
                     step = self.structured.bitmask(step, out.scheduled, self.runner.bitmask_width)
                 if self.steering.layers:
                     step = self.steering.apply(step, self._scheduled_requests(out))
+                if self.prompt_embeds.requests:
+                    step = self.prompt_embeds.apply(step, out.scheduled)
                 rows = targets = prompt = None
                 if output.prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = output.prompt_rows(out.scheduled)

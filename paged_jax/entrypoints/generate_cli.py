@@ -238,6 +238,7 @@ ENGINE_FLAGS = {
     ),
 }
 ENGINE_ABSENT = {
+    "enable_prompt_embeds": "prompt embeddings are arrays: the Python API takes them",
     "scheduling_policy": "the prompts file carries no request priority",
     "hash_algo": "the prefix-cache hash changes no output",
     "validate": "a debugging switch of the tests (device-side range checks)",

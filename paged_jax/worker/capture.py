@@ -35,12 +35,16 @@ class ActivationStep:
         capture_layers: EngineConfig.hidden_state_layers.
         steer_layers: EngineConfig.steering_layers.
         num_layers / hidden_size: the model's.
+        prompt_embeds: EngineConfig.enable_prompt_embeds.
+        embed_dim: the embedding table's width (the prompt embeddings').
     """
 
     capture_layers: tuple[int, ...]
     steer_layers: tuple[int, ...]
     num_layers: int
     hidden_size: int
+    prompt_embeds: bool = False
+    embed_dim: int = 0
 
     def forward(
         self,
@@ -52,6 +56,7 @@ class ActivationStep:
         attention: Any,  # AttentionMetadata
         backend: Any,
         extra: dict[str, Any],
+        embeds: tuple[jax.Array, jax.Array] | None = None,  # f32[T, embed], bool[T]
     ) -> tuple[jax.Array, Any, jax.Array | None]:  # f[T, hidden], caches, f32[K, T, hidden]
         """The model's hooked paged forward: its last layer's output, the caches and the
         captured rows (None without capture layers)."""
@@ -69,7 +74,7 @@ class ActivationStep:
             kv_caches,
             attention,
             attention_backend=backend,
-            hook=StepHooks(capture, steer),
+            hook=StepHooks(capture, steer, embeds if self.prompt_embeds else None),
             **extra,
         )
         if capture is None:
@@ -83,6 +88,10 @@ class ActivationStep:
     def zero_steering(self, num_seqs: int) -> np.ndarray:  # f32[J, num_seqs, hidden]
         return np.zeros((len(self.steer_layers), num_seqs, self.hidden_size), np.float32)
 
+    def no_embeds(self, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """f32[T, embed] zeros and bool[T] False: a step without prompt-embedding rows."""
+        return np.zeros((num_tokens, self.embed_dim), np.float32), np.zeros(num_tokens, bool)
+
 
 def activation_hooks(model: Any, config: EngineConfig, hidden_path: bool) -> ActivationStep | None:
     """The step's ActivationStep for ``config``'s hidden_state_layers and steering_layers
@@ -94,14 +103,17 @@ def activation_hooks(model: Any, config: EngineConfig, hidden_path: bool) -> Act
     """
     capture = tuple(config.hidden_state_layers)
     steer = tuple(config.steering_layers)
-    if not capture and not steer:
+    embeds = config.enable_prompt_embeds
+    if not capture and not steer and not embeds:
         return None
-    name = "hidden_state_layers" if capture else "steering_layers"
+    name = (
+        "hidden_state_layers" if capture else "steering_layers" if steer else "enable_prompt_embeds"
+    )
     if not hidden_path:
         raise ValueError(
-            f"EngineConfig.{name}={capture or steer!r} needs a model with "
+            f"EngineConfig.{name}={getattr(config, name)!r} needs a model with "
             f"forward_paged_hidden and logits (every paged_jax.models model); "
-            f"{type(model).__name__} has not: pass {name}=()"
+            f"{type(model).__name__} has not: leave {name} at its default"
         )
     num_layers = int(model.config.num_hidden_layers)
     if capture:
@@ -112,7 +124,9 @@ def activation_hooks(model: Any, config: EngineConfig, hidden_path: bool) -> Act
                 f"steering_layers entry {i!r} must be in [0, {num_layers}) (the model has "
                 f"{num_layers} decoder layers)"
             )
-    return ActivationStep(capture, steer, num_layers, int(model.config.hidden_size))
+    hidden = int(model.config.hidden_size)
+    embed_dim = int(getattr(model.config, "word_embed_proj_dim", None) or hidden)
+    return ActivationStep(capture, steer, num_layers, hidden, embeds, embed_dim)
 
 
 def capture_chunks(

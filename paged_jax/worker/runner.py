@@ -506,6 +506,7 @@ class Runner:
             spec: SpecDecodeInput | None = None,
             draft_probs: jax.Array | None = None,  # f32[max_num_seqs, k, V] by row
             steering: jax.Array | None = None,  # f32[J, S, hidden]; steering_layers only
+            embeds: Any = None,  # (f32[T, embed], bool[T]); enable_prompt_embeds only
         ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
@@ -514,7 +515,7 @@ class Runner:
             hidden_chunks = ((), ())  # (last layer's, captured layers') row chunks
             if hooks is not None:
                 hidden, kv_caches, captured = hooks.forward(
-                    m, steering, token_ids, positions, kv_caches, attention, backend, extra
+                    m, steering, token_ids, positions, kv_caches, attention, backend, extra, embeds
                 )
                 logits = m.logits(hidden[attention.logits_indices])
                 hidden_chunks = (split_rows(hidden, chunk), hooks.chunks(captured, chunk))
@@ -620,6 +621,7 @@ class Runner:
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
         self._zero_steering: dict[int, jax.Array] = {}  # num_seqs bucket -> f32[J, S, H]
+        self._no_embeds: dict[int, Any] = {}  # num_tokens bucket -> (f32[T, E], bool[T])
         self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Structured outputs: words per bitmask row (cdiv(V, 32)), and the all-ones
         # bitmask of each num_seqs bucket.
@@ -659,7 +661,20 @@ class Runner:
             step.spec,
             self.draft_probs if step.spec is not None else None,
             self._steering_rows(step),
+            self._embed_rows(step),
         )
+
+    def _embed_rows(self, step: StepInput) -> Any:
+        """The step's prompt-embedding rows (f32[T, embed], bool[T]) under
+        EngineConfig.enable_prompt_embeds; a step without any gets resident padding."""
+        if self.activations is None or not self.activations.prompt_embeds:
+            return None
+        if step.prompt_embeds is not None:
+            return step.prompt_embeds
+        t = step.token_ids.shape[0]
+        if t not in self._no_embeds:
+            self._no_embeds[t] = jax.device_put(self.activations.no_embeds(t))
+        return self._no_embeds[t]
 
     def _steering_rows(self, step: StepInput) -> Any:
         """The step's steering vectors f32[J, S, hidden] (EngineConfig.steering_layers); a
