@@ -23,7 +23,7 @@ import numpy as np
 from paged_jax import LLM, SamplingParams
 from paged_jax.models.random_init import random_model
 
-TINY_LLAMA = dict(
+PROBE_MODEL = dict(
     model_type="llama",
     architectures=["LlamaForCausalLM"],
     vocab_size=64,
@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=128)
     args = parser.parse_args()
 
-    model = random_model(TINY_LLAMA, dtype="float32", seed=0)
+    model = random_model(PROBE_MODEL, dtype="float32", seed=0)
     llm = LLM(
         model,
         hidden_state_layers=LAYERS,
@@ -83,7 +83,7 @@ def main() -> int:
     for prompt, out in zip(prompts, outs):
         for layer in LAYERS:
             rows = out.prompt_hidden_states[layer]  # f32[len(prompt), hidden]
-            if rows.shape != (len(prompt), TINY_LLAMA["hidden_size"]):
+            if rows.shape != (len(prompt), PROBE_MODEL["hidden_size"]):
                 print(f"FAIL: layer {layer} rows {rows.shape} for a {len(prompt)}-token prompt")
                 ok = False
             features[layer].append(rows.mean(axis=0))

@@ -24,7 +24,7 @@ import numpy as np
 from paged_jax import LLM, SamplingParams
 from paged_jax.models.random_init import random_model
 
-TINY_LLAMA = dict(
+STEERED_MODEL = dict(
     model_type="llama",
     architectures=["LlamaForCausalLM"],
     vocab_size=64,
@@ -56,7 +56,7 @@ def main() -> int:
     parser.add_argument("--alpha", type=float, default=8.0)
     args = parser.parse_args()
 
-    model = random_model(TINY_LLAMA, dtype="float32", seed=0)
+    model = random_model(STEERED_MODEL, dtype="float32", seed=0)
     llm = LLM(
         model,
         hidden_state_layers=(0,),

@@ -166,10 +166,3 @@ class StepHooks:
         if self.capture is not None:
             buffer, x = self.capture.after_layer(buffer, layer, x)
         return (buffer, rows), x
-
-
-def run_hook(hook: Any, state: Any, layer: int | jax.Array, x: jax.Array) -> tuple[Any, jax.Array]:
-    """``hook.after_layer`` when there is a hook, else (state, x) unchanged."""
-    if hook is None:
-        return state, x
-    return hook.after_layer(state, layer, x)

@@ -20,7 +20,6 @@ from flax import nnx
 
 import pallas_kernels
 from paged_jax.core.kv_cache_spec import KVCacheGroupSpec
-from paged_jax.models.activation_hooks import run_hook
 from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.kv_layout import KVCacheLayout, kv_cache_layout
@@ -348,7 +347,8 @@ class CausalLM(nnx.Module):
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )
-            state, x = run_hook(hook, state, i, x)
+            if hook is not None:
+                state, x = hook.after_layer(state, i, x)
         return (x, new_caches) if hook is None else (x, new_caches, state)
 
     # -- KV cache -----------------------------------------------------------------------

@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from paged_jax.models.activation_hooks import run_hook
 from paged_jax.worker.step_input import AttentionMetadata
 
 __all__ = [
@@ -303,7 +302,8 @@ class StackedLayers:
                 x, k_cache, v_cache = layer_step(
                     layer, x, k_cache, v_cache, body_ops, step_tensors[j], scale
                 )
-                hook_state, x = run_hook(hook, hook_state, step * p + j, x)
+                if hook is not None:
+                    hook_state, x = hook.after_layer(hook_state, step * p + j, x)
             return (x, k_cache, v_cache, hook_state), None
 
         scanned_scales = (
@@ -332,7 +332,8 @@ class StackedLayers:
                 tensors[layer_idx],
                 scale,
             )
-            hook_state, x = run_hook(hook, hook_state, layer_idx, x)
+            if hook is not None:
+                hook_state, x = hook.after_layer(hook_state, layer_idx, x)
         return x, [(k_cache, v_cache)], hook_state
 
 

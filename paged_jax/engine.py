@@ -247,17 +247,20 @@ class Engine:
         params = _sampling_params(sampling_params, SamplingParams())
         if self._id_taken(request_id):
             raise ValueError(f"request_id={request_id!r} must be unique among live requests")
-        self.steering.check(params)
-        cache_salt = self.steering.cache_salt(cache_salt, params)
         embeds = None
-        if prompt_embeds is not None:
-            embeds = self.prompt_embeds.check(prompt_embeds, params)
-            if len(embeds) != len(prompt_token_ids):
-                raise ValueError(
-                    f"len(prompt_token_ids)={len(prompt_token_ids)} must equal the "
-                    f"prompt_embeds rows ({len(embeds)})"
-                )
-            cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)
+        activations = params.return_hidden_states or params.steering_vectors is not None
+        if activations or prompt_embeds is not None:  # paged_jax.activations' components
+            self.activations.check(params)
+            self.steering.check(params)
+            cache_salt = self.steering.cache_salt(cache_salt, params)
+            if prompt_embeds is not None:
+                embeds = self.prompt_embeds.check(prompt_embeds, params)
+                if len(embeds) != len(prompt_token_ids):
+                    raise ValueError(
+                        f"len(prompt_token_ids)={len(prompt_token_ids)} must equal the "
+                        f"prompt_embeds rows ({len(embeds)})"
+                    )
+                cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -289,7 +292,6 @@ class Engine:
         if params.structured_outputs is not None:
             # A bad constraint raises here, naming its field.
             self.structured.new_matcher(params, self.eos_token_ids)
-        self.activations.check(params)
         if params.return_hidden_states:  # every prompt row computed, none from the cache
             req.skip_reading_prefix_cache = True
             self.activations.add(request_id, req.num_prompt_tokens)
@@ -438,8 +440,7 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(request_id)
         self.output.remove_request(request_id)
-        self.activations.remove(request_id)
-        self.prompt_embeds.remove(request_id)
+        self._forget_activations(request_id)
 
     def _fork(
         self,
@@ -480,10 +481,18 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(rid)
         self.runner.drop_swapped(rid)
-        self.prompt_embeds.remove(rid)
-        return self.activations.attach(
-            self.output.finish(req, self.scheduler.errors.pop(rid, None))
-        )
+        out = self.output.finish(req, self.scheduler.errors.pop(rid, None))
+        if rid in self.activations.requests:
+            out = self.activations.attach(out)
+        self._forget_activations(rid)
+        return out
+
+    def _forget_activations(self, request_id: str) -> None:
+        """Drops a request's hidden-state collector and prompt embeddings, if it had any."""
+        if request_id in self.activations.requests:
+            self.activations.remove(request_id)
+        if request_id in self.prompt_embeds.requests:
+            self.prompt_embeds.remove(request_id)
 
     # ------------------------------------------------------------ step
     @_serialised
