@@ -29,7 +29,7 @@ LAYERS = (0, 1, -1)  # the first layer, the second (the last of a 2-layer model)
 # Rows of magnitude ~1 summed over 64-wide matmuls and 2 layers in f32: ~1e-6 of error.
 TOL = 1e-5
 # Llama scans its layers (the scan carries the capture buffer); the others run unrolled.
-FAMILIES = {"llama": "on", "qwen3": "off", "gemma2": "off"}
+FAMILIES = {"llama": "on", "qwen3": "off", "gemma2": "off"}  # llama: activations_llm
 
 
 def _prompt(seed: int, length: int, vocab: int = 128) -> list[int]:
@@ -74,8 +74,16 @@ def hf_states():
 
 
 @pytest.fixture(scope="module")
-def llms(tiny_hf_checkpoint):
-    made = {}
+def _llms(tiny_hf_checkpoint):
+    return {}
+
+
+@pytest.fixture
+def llms(_llms, activations_llm, tiny_hf_checkpoint):
+    """family -> (LLM, path); Llama is the shared activations engine (tests/engine/conftest.py:
+    the same LAYERS, steering built but unused here)."""
+    made = _llms
+    made["llama"] = activations_llm
 
     def get(family: str) -> tuple[LLM, object]:
         if family not in made:

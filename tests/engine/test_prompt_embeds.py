@@ -31,21 +31,29 @@ def _prompt(seed: int, length: int, vocab: int = 128) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def embeds_llms(tiny_hf_checkpoint):
+def _made():
+    return {}  # family -> (LLM or None, transformers model)
+
+
+@pytest.fixture
+def embeds_llms(_made, activations_llm, tiny_hf_checkpoint):
+    """family -> (LLM, transformers model). Llama is the shared activations engine
+    (tests/engine/conftest.py: enable_prompt_embeds among its options); Gemma 2 its own."""
     import torch
     import transformers
 
-    made = {}
-
     def get(family: str):
-        if family not in made:
-            path = tiny_hf_checkpoint(family)
+        if family not in _made:
+            if family == "llama":
+                llm, path = activations_llm
+            else:
+                path = tiny_hf_checkpoint(family)
+                llm = LLM(str(path), enable_prompt_embeds=True, **CHUNKED)
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 path, attn_implementation="eager", dtype=torch.float32
             ).eval()
-            llm = LLM(str(path), enable_prompt_embeds=True, **CHUNKED)
-            made[family] = llm, hf
-        return made[family]
+            _made[family] = llm, hf
+        return _made[family]
 
     return get
 

@@ -12,17 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_jax import LLM, SamplingParams
+from paged_jax import SamplingParams
 from paged_jax.config import EngineConfig
 
-CHUNKED = dict(
-    block_size=4,
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    max_model_len=64,
-    attention_backend="reference",
-)
-STEER = (0, 1)
 # Logprobs of a 128-token vocabulary from 64-wide f32 matmuls: ~1e-6 of error.
 TOL = 1e-4
 
@@ -36,10 +28,10 @@ def _vectors(seed: int) -> dict[int, list[float]]:
     return {0: list(rng.normal(0, 2, 64).astype(np.float32)), 1: list(rng.normal(0, 2, 64))}
 
 
-@pytest.fixture(scope="module")
-def steered_llm(tiny_hf_checkpoint):
-    path = tiny_hf_checkpoint("llama")
-    return LLM(str(path), steering_layers=STEER, scan_layers="on", **CHUNKED), path
+@pytest.fixture
+def steered_llm(activations_llm):
+    """The shared activations engine (tests/engine/conftest.py): steering_layers (0, 1)."""
+    return activations_llm
 
 
 @pytest.fixture(scope="module")
