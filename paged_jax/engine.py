@@ -122,8 +122,11 @@ class Engine:
         self.output = OutputProcessor(detokenize)
         # Hidden states out (EngineConfig.hidden_state_layers): which rows to copy, per request.
         self.activations = ActivationCapture(config.hidden_state_layers)
-        self.steering = SteeringRows(config.steering_layers, int(mcfg.hidden_size))
-        embed_dim = int(getattr(mcfg, "word_embed_proj_dim", None) or mcfg.hidden_size)
+        # A model without hidden_size (a test fake) cannot build activation options
+        # (the runner refuses them), so 0 never sizes anything.
+        hidden = int(getattr(mcfg, "hidden_size", 0) or 0)
+        self.steering = SteeringRows(config.steering_layers, hidden)
+        embed_dim = int(getattr(mcfg, "word_embed_proj_dim", None) or hidden)
         self.prompt_embeds = PromptEmbeds(config.enable_prompt_embeds, embed_dim)
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
