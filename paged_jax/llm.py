@@ -539,6 +539,8 @@ class LLM:
         vocab_size = self.engine.vocab_size
         ids = []
         for i, prompt in enumerate(self._as_prompt_list(prompts)):
+            if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+                raise ValueError(f"prompts[{i}]: prompt_embeds are not supported by beam_search")
             try:
                 _, p = self._prompt_ids(prompt)
             except ValueError as e:

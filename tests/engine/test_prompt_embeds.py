@@ -131,3 +131,12 @@ def test_bad_prompt_embeds_are_value_errors_naming_them(embeds_llms, small_llm):
         small_llm.generate({"prompt_embeds": rows}, GREEDY)
     # The engine keeps serving.
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 4
+
+
+def test_beam_search_refuses_prompt_embeds_by_name(embeds_llms):
+    from paged_jax import BeamSearchParams
+
+    llm, _ = embeds_llms("llama")
+    rows = np.zeros((3, 64), np.float32)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt_embeds are not supported"):
+        llm.beam_search([{"prompt_embeds": rows}], BeamSearchParams(beam_width=2, max_tokens=2))
