@@ -204,13 +204,27 @@ class CausalLM(nnx.Module):
 
     # -- forwards -----------------------------------------------------------------------
 
+    def lookup(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> f[..., embed]
+        """What transformers' ``get_input_embeddings()`` returns for ``token_ids`` (its
+        ``inputs_embeds``): the table's rows (scaled, for families whose embedding
+        module scales)."""
+        return self.embed_tokens(token_ids)
+
     def embed(
         self,
         token_ids: jax.Array,  # i32[...]
         positions: jax.Array,  # i32[...]
+        replace: tuple[jax.Array, jax.Array] | None = None,  # f[..., embed], bool[...]
     ) -> jax.Array:  # f[..., hidden]
-        """The input embedding: token (projected in) plus learned position, as the family has."""
-        x = self.embed_tokens(token_ids)
+        """The input embedding: token (projected in) plus learned position, as the family has.
+
+        Where ``replace``'s mask is set, its rows stand for ``lookup``'s (prompt
+        embeddings, transformers' ``inputs_embeds``).
+        """
+        x = self.lookup(token_ids)
+        if replace is not None:
+            rows, mask = replace
+            x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
         if self.project_in is not None:
             x = self.project_in(x)
         if self.embed_positions is not None:
@@ -301,25 +315,37 @@ class CausalLM(nnx.Module):
         kv_scales: jax.Array | None = None,  # f32[num_layers, 2]; fp8 caches only
         layers: Any = None,
         lora: Any = None,
-    ) -> tuple[jax.Array, list[KVCache]]:  # f[num_tokens, hidden], updated caches
+        hook: Any = None,
+    ) -> tuple[Any, ...]:  # f[num_tokens, hidden], updated caches[, hook state]
         """forward_paged without the head: the last layer's output at every token.
 
         ``logits`` turns any rows of it into logits (the engine's prompt logprobs read
-        every prompt position this way). Arguments as forward_paged.
+        every prompt position this way). Arguments as forward_paged, and ``hook``: an
+        object with ``init(x) -> state`` and ``after_layer(state, layer, x) -> (state, x)``
+        called after every decoder layer (models.activation_hooks); its final state is
+        then returned third.
         """
         layout = self.kv_layout
         ops = pallas_kernels.get_attention_ops(
             attention_backend or self.attention_backend, validate=attn_metadata.validate
         )
-        x = self.embed(token_ids, positions)
+        replace = getattr(hook, "input_rows", None)  # prompt embeddings, if the hook has them
+        if replace is None:
+            x = self.embed(token_ids, positions)
+        else:
+            x = self.embed(token_ids, positions, replace)
         if attn_metadata.ragged_only:
             # Batch-invariant steps: padding rows (past the step's tokens) are zeros, and
             # stay zeros through bias-free layers, so row-tiled matmuls skip their tiles
             # (paged_jax.models.batch_invariant); they are never read.
             real = jnp.arange(x.shape[0]) < attn_metadata.query_start_loc[-1]
             x = jnp.where(real[:, None], x, jnp.zeros((), x.dtype))
+        state = None if hook is None else hook.init(x)
         if layers is not None:
-            return layers.run(x, positions, kv_caches, attn_metadata, ops, kv_scales, lora)
+            x, new_caches, state = layers.run(
+                x, positions, kv_caches, attn_metadata, ops, kv_scales, lora, hook, state
+            )
+            return (x, new_caches) if hook is None else (x, new_caches, state)
         if len(self.layers) != self.config.num_hidden_layers:
             raise ValueError(
                 f"this model holds {len(self.layers)} of its {self.config.num_hidden_layers} "
@@ -338,7 +364,9 @@ class CausalLM(nnx.Module):
             x, new_caches[t] = layer.forward_paged(
                 x, positions, new_caches[t], attn_metadata, ops, kv_scale
             )
-        return x, new_caches
+            if hook is not None:
+                state, x = hook.after_layer(state, i, x)
+        return (x, new_caches) if hook is None else (x, new_caches, state)
 
     # -- KV cache -----------------------------------------------------------------------
 

@@ -194,7 +194,7 @@ class _GemmaBase(CausalLM):
     # "norm/" rule; soft caps and the embedding scale are elementwise.
     partition_rules = LLAMA_PARTITION_RULES
 
-    def embed(self, token_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    def lookup(self, token_ids: jax.Array) -> jax.Array:
         x = self.embed_tokens(token_ids)
         # transformers casts sqrt(hidden) to the weight dtype before multiplying.
         return x * jnp.asarray(self.config.hidden_size**0.5, dtype=x.dtype)

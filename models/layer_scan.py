@@ -262,8 +262,11 @@ class StackedLayers:
         ops: Any,  # pallas_kernels.AttentionOps
         kv_scales: jax.Array | None,  # f32[num_layers, 2]; fp8 caches only
         lora: Any = None,  # a models.lora.LoRAStep: per-row adapters, stacks by layer
-    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]]]:
-        """Every layer's paged forward: the scan, then the tail; returns x and the caches."""
+        hook: Any = None,  # models.activation_hooks: after_layer(state, layer, x)
+        hook_state: Any = None,
+    ) -> tuple[jax.Array, list[tuple[jax.Array, jax.Array]], Any]:
+        """Every layer's paged forward: the scan, then the tail; returns x, the caches and
+        the hook's state (carried through the scan; None without a hook)."""
         plan = self.plan
         if len(kv_caches) != 1:
             raise ValueError(
@@ -290,8 +293,8 @@ class StackedLayers:
             return x, k_cache, v_cache
 
         def body(carry, xs):
-            x, k_cache, v_cache = carry
-            states, step_tensors, step_scales, step_lora = xs
+            x, k_cache, v_cache, hook_state = carry
+            states, step_tensors, step_scales, step_lora, step = xs
             # A fresh plan cache per traced body: a plan traced here must not leak out.
             body_ops = ops.for_step()
             for j in range(p):
@@ -302,19 +305,22 @@ class StackedLayers:
                 x, k_cache, v_cache = layer_step(
                     layer, x, k_cache, v_cache, body_ops, step_tensors[j], scale
                 )
-            return (x, k_cache, v_cache), None
+                if hook is not None:
+                    hook_state, x = hook.after_layer(hook_state, step * p + j, x)
+            return (x, k_cache, v_cache, hook_state), None
 
         scanned_scales = (
             None if kv_scales is None else kv_scales[: p * n].reshape(n, p, *kv_scales.shape[1:])
         )
-        (x, k_cache, v_cache), _ = jax.lax.scan(
+        (x, k_cache, v_cache, hook_state), _ = jax.lax.scan(
             body,
-            (x, k_cache, v_cache),
+            (x, k_cache, v_cache, hook_state),
             (
                 self.stacked,
                 tensors[: p * n].reshape(n, p),
                 scanned_scales,
                 None if lora is None else lora.scanned(p, n),
+                jnp.arange(n, dtype=jnp.int32),
             ),
         )
         tail_ops = ops.for_step()
@@ -333,7 +339,9 @@ class StackedLayers:
                 tensors[layer_idx],
                 scale,
             )
-        return x, [(k_cache, v_cache)]
+            if hook is not None:
+                hook_state, x = hook.after_layer(hook_state, layer_idx, x)
+        return x, [(k_cache, v_cache)], hook_state
 
 
 jax.tree_util.register_dataclass(StackedLayers)

@@ -141,6 +141,17 @@ class EngineConfig:
         max_loras: adapters resident on the device at once (one batch may mix them);
             requests of other adapters wait until a slot frees.
         max_lora_rank: the largest adapter rank served; smaller ranks are zero-padded.
+        hidden_state_layers: the layers whose residual stream the compiled step can
+            return (SamplingParams.return_hidden_states; docs/research_integration.md,
+            "Activations"): ``i`` is the output of decoder layer ``i`` (transformers'
+            ``hidden_states[i + 1]``, before any final norm), ``-1`` the final-norm
+            output. () (the default) builds programs without capture.
+        steering_layers: the decoder layers whose output SamplingParams.steering_vectors
+            may add a vector to (indices in [0, num_hidden_layers)); () builds programs
+            without steering.
+        enable_prompt_embeds: accept prompts given as embeddings ({"prompt_embeds":
+            f32[T, hidden_size]}, vLLM's names): their rows replace the embedding table's
+            output for the prompt; generation continues from token ids.
     """
 
     block_size: int = 16
@@ -174,6 +185,9 @@ class EngineConfig:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    hidden_state_layers: tuple[int, ...] = ()
+    steering_layers: tuple[int, ...] = ()
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -228,6 +242,7 @@ class EngineConfig:
             "validate",
             "batch_invariant",
             "enable_lora",
+            "enable_prompt_embeds",
         ):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
@@ -288,6 +303,24 @@ class EngineConfig:
                 "False with enable_lora=True (the adapters' low-rank products are not "
                 "row-tiled: not made batch-invariant)",
             )
+        for name, lowest, what in (
+            ("hidden_state_layers", -1, "a tuple of distinct ints >= -1 (-1 = final norm)"),
+            ("steering_layers", 0, "a tuple of distinct ints >= 0 (decoder layers)"),
+        ):
+            layers = getattr(self, name)
+            if isinstance(layers, list | tuple) and all(is_int(i) for i in layers):
+                layers = tuple(int(i) for i in layers)
+                object.__setattr__(self, name, layers)
+            if (
+                not isinstance(layers, tuple)
+                or not all(is_int(i) and i >= lowest for i in layers)
+                or len(set(layers)) != len(layers)
+            ):
+                fail(self, name, what)
+            if layers and self.speculative_config is not None:
+                fail(self, name, "() with speculative_config (not supported yet)")
+        if self.enable_prompt_embeds and self.speculative_config is not None:
+            fail(self, "enable_prompt_embeds", "False with speculative_config (not supported yet)")
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from paged_jax.activations import ActivationCapture, PromptEmbeds, SteeringRows
 from paged_jax.config import EngineConfig
 from paged_jax.core.block_pool import KVCacheBlock
 from paged_jax.core.kv_cache_manager import KVCacheManager
@@ -120,6 +121,14 @@ class Engine:
         self.vocab_size = int(mcfg.vocab_size)
         self.eos_token_ids = tuple(int(t) for t in (mcfg.eos_token_ids or ()))
         self.output = OutputProcessor(detokenize)
+        # Hidden states out (EngineConfig.hidden_state_layers): which rows to copy, per request.
+        self.activations = ActivationCapture(config.hidden_state_layers)
+        # A model without hidden_size (a test fake) cannot build activation options
+        # (the runner refuses them), so 0 never sizes anything.
+        hidden = int(getattr(mcfg, "hidden_size", 0) or 0)
+        self.steering = SteeringRows(config.steering_layers, hidden)
+        embed_dim = int(getattr(mcfg, "word_embed_proj_dim", None) or hidden)
+        self.prompt_embeds = PromptEmbeds(config.enable_prompt_embeds, embed_dim)
         self.phase_clock: Callable[[], float] = time.perf_counter
         self._lock = threading.RLock()
         groups = model_kv_cache_groups(model)
@@ -234,11 +243,16 @@ class Engine:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         """Validates and queues one request; raises ValueError (and adds nothing) on bad input.
 
         ``lora_request`` serves the request with that LoRA adapter (enable_lora engines;
         None: the base model); a bad adapter raises ValueError naming it.
+        ``prompt_embeds`` (f32[len(prompt_token_ids), hidden_size], with
+        EngineConfig.enable_prompt_embeds) replaces the embedding table's rows of the
+        prompt; ``prompt_token_ids`` are then placeholders (LLM passes zeros) that only
+        the sampler's penalties read.
 
         With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its n
         samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
@@ -257,6 +271,20 @@ class Engine:
                 f"lora_request={lora_request!r} needs an engine built with enable_lora=True"
             )
         adapter_id = None if self.lora is None else self.lora.adapter_id(lora_request)
+        embeds = None
+        activations = params.return_hidden_states or params.steering_vectors is not None
+        if activations or prompt_embeds is not None:  # paged_jax.activations' components
+            self.activations.check(params)
+            self.steering.check(params)
+            cache_salt = self.steering.cache_salt(cache_salt, params)
+            if prompt_embeds is not None:
+                embeds = self.prompt_embeds.check(prompt_embeds, params)
+                if len(embeds) != len(prompt_token_ids):
+                    raise ValueError(
+                        f"len(prompt_token_ids)={len(prompt_token_ids)} must equal the "
+                        f"prompt_embeds rows ({len(embeds)})"
+                    )
+                cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -292,6 +320,11 @@ class Engine:
         if params.structured_outputs is not None:
             # A bad constraint raises here, naming its field.
             self.structured.new_matcher(params, self.eos_token_ids)
+        if params.return_hidden_states:  # every prompt row computed, none from the cache
+            req.skip_reading_prefix_cache = True
+            self.activations.add(request_id, req.num_prompt_tokens)
+        if embeds is not None:
+            self.prompt_embeds.add(request_id, embeds)
         if params.n > 1:  # a parent: its carrier, or its samples
             self.parallel_sampling.add(req, prompt, self._id_taken)
             return
@@ -435,6 +468,7 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(request_id)
         self.output.remove_request(request_id)
+        self._forget_activations(request_id)
 
     def _fork(
         self,
@@ -475,7 +509,18 @@ class Engine:
         if self.structured.matchers:
             self.structured.remove_request(rid)
         self.runner.drop_swapped(rid)
-        return self.output.finish(req, self.scheduler.errors.pop(rid, None))
+        out = self.output.finish(req, self.scheduler.errors.pop(rid, None))
+        if rid in self.activations.requests:
+            out = self.activations.attach(out)
+        self._forget_activations(rid)
+        return out
+
+    def _forget_activations(self, request_id: str) -> None:
+        """Drops a request's hidden-state collector and prompt embeddings, if it had any."""
+        if request_id in self.activations.requests:
+            self.activations.remove(request_id)
+        if request_id in self.prompt_embeds.requests:
+            self.prompt_embeds.remove(request_id)
 
     # ------------------------------------------------------------ step
     @_serialised
@@ -532,20 +577,28 @@ class Engine:
                     step = self.structured.bitmask(step, out.scheduled, self.runner.bitmask_width)
                 if self.lora is not None:
                     step = self.lora.step_slots(step, self._scheduled_requests(out), sched.running)
+                if self.steering.layers:
+                    step = self.steering.apply(step, self._scheduled_requests(out))
+                if self.prompt_embeds.requests:
+                    step = self.prompt_embeds.apply(step, out.scheduled)
                 rows = targets = prompt = None
                 if output.prompt_logprobs:  # nothing to do for the steps of other requests
                     rows, targets, prompt = output.prompt_rows(out.scheduled)
+                capture_rows, captured = None, []
+                if self.activations.requests:
+                    capture_rows, captured = self.activations.rows(out.scheduled)
                 c1 = clock()
                 pending = self.runner.dispatch(
                     step,
                     with_logprobs=output.num_logprobs_live > 0,
                     prompt_rows=rows,
                     prompt_targets=targets,
+                    hidden_state_rows=capture_rows,
                 )
                 c2 = clock()
                 prepare_s, dispatch_s = c1 - c0, c2 - c1
                 requests = self._scheduled_requests(out)
-                launched = InFlightStep(out, requests, pending, cached, prompt or [])
+                launched = InFlightStep(out, requests, pending, cached, prompt or [], captured)
                 self._num_steps += 1
             ready = launched
             if self.config.async_scheduling and not self._synchronous and not matchers:
@@ -571,7 +624,7 @@ class Engine:
         return finished
 
     def _scheduled_requests(self, out: SchedulerOutput) -> list[Request]:
-        """The Request of each scheduled sequence, in schedule order."""
+        """The Requests of ``out.scheduled``, in its (the step's row) order."""
         requests = out.scheduled_requests
         if len(requests) != len(out.scheduled):  # an output built by hand
             requests = [self.scheduler.requests[seq.req_id] for seq in out.scheduled]
@@ -647,6 +700,8 @@ class Engine:
         output = self.output
         if step.prompt:  # before a request that finishes in this step reports them
             output.record_prompt_logprobs(step, result)
+        if step.hidden_states:
+            self.activations.record(step.hidden_states, result.hidden_states)
         sched = self.scheduler
         requests = sched.requests
         spec = result.num_emitted is not None

@@ -8,7 +8,7 @@ import it without importing each other.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged_jax.core.request import RequestStatus
 
@@ -61,3 +61,6 @@ class InFlightStep:
     pending: PendingStep
     cached: list[KVCacheBlock] = dataclasses.field(default_factory=list)
     prompt: list[tuple[PromptLogprobs, range]] = dataclasses.field(default_factory=list)
+    # Per HiddenStates (paged_jax.activations) the positions this step captures for it,
+    # in the order of StepResult.hidden_states' rows.
+    hidden_states: list[tuple[Any, range]] = dataclasses.field(default_factory=list)

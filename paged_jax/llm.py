@@ -45,7 +45,7 @@ from paged_jax.outputs import EngineOutput, RequestMetrics, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 
 _ENGINE_FIELDS = {f.name for f in dataclasses.fields(EngineConfig)}
-_PROMPT_KEYS = ("prompt", "prompt_token_ids")
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "prompt_embeds")
 
 
 def _resolve_dtype(dtype: str) -> str:
@@ -484,6 +484,17 @@ class LLM:
             if unknown:
                 raise ValueError(f"prompt key {unknown[0]!r} must be one of {_PROMPT_KEYS}")
             text = prompt.get("prompt")
+            if "prompt_embeds" in prompt:  # placeholders: the embeddings stand for the tokens
+                if "prompt_token_ids" in prompt:
+                    raise ValueError(
+                        "a prompt takes 'prompt_embeds' or 'prompt_token_ids', not both"
+                    )
+                shape = getattr(prompt["prompt_embeds"], "shape", None)
+                if shape is None or len(shape) != 2:
+                    raise ValueError(
+                        f"prompt_embeds of shape {shape} must be an array [T, hidden_size]"
+                    )
+                return text, [0] * int(shape[0])
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
@@ -526,11 +537,12 @@ class LLM:
                 "speculative_config yet; use 'raw_logprobs'"
             )
         rid = str(next(self._ids))
+        embeds = prompt.get("prompt_embeds") if isinstance(prompt, Mapping) else None
         try:
             if lora is None:
-                self.engine.add_request(rid, ids, p)
+                self.engine.add_request(rid, ids, p, prompt_embeds=embeds)
             else:
-                self.engine.add_request(rid, ids, p, lora_request=lora)
+                self.engine.add_request(rid, ids, p, lora_request=lora, prompt_embeds=embeds)
         except ValueError as e:
             raise ValueError(f"prompts[{i}]: {e}") from e
         return rid, text, ids
@@ -572,6 +584,8 @@ class LLM:
         vocab_size = self.engine.vocab_size
         ids = []
         for i, prompt in enumerate(self._as_prompt_list(prompts)):
+            if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
+                raise ValueError(f"prompts[{i}]: prompt_embeds are not supported by beam_search")
             try:
                 _, p = self._prompt_ids(prompt)
             except ValueError as e:

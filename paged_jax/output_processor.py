@@ -562,6 +562,7 @@ def completion_output(
         logprobs=logprobs,
         error=out.error,
         cumulative_logprob=cumulative,
+        hidden_states=out.hidden_states,
     )
 
 
@@ -604,4 +605,5 @@ def request_output(
         ),
         error=error,
         prompt_logprobs=prompt_logprobs,
+        prompt_hidden_states=top.prompt_hidden_states,
     )

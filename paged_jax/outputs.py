@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 # One position's logprobs as the engine keeps them: {token id: logprob}, the chosen
 # (sampled or prompt) token first, then the top ones; and the rank of each, in that order.
@@ -90,6 +91,9 @@ class EngineOutput:
         num_preemptions: how often the request was preempted.
         samples: a parallel-sampling parent's n outputs in index order; None for
             every other request.
+        prompt_hidden_states / hidden_states: with SamplingParams.return_hidden_states,
+            {layer: f32[rows, hidden_size]} of the prompt's tokens and of the generated
+            tokens that were fed back (paged_jax.activations); None otherwise.
     """
 
     request_id: str
@@ -108,6 +112,8 @@ class EngineOutput:
     logprob_ranks: list[RankEntry] | None = None
     prompt_logprobs: list[LogprobEntry | None] | None = None
     prompt_logprob_ranks: list[RankEntry | None] | None = None
+    prompt_hidden_states: dict[int, Any] | None = None
+    hidden_states: dict[int, Any] | None = None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -135,6 +141,10 @@ class CompletionOutput:
         cumulative_logprob: the sum of the generated tokens' logprobs; None when
             SamplingParams.logprobs was not set (as vLLM V1).
         error: what went wrong when finish_reason is "error".
+        hidden_states: with SamplingParams.return_hidden_states, {layer: f32[N - 1,
+            hidden_size]} for N generated tokens: row j is the residual stream at the
+            position that consumed generated token j (the last token is never fed
+            back); None otherwise.
     """
 
     index: int
@@ -145,6 +155,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     error: str | None = None
     cumulative_logprob: float | None = None
+    hidden_states: dict[int, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -176,6 +187,9 @@ class RequestOutput:
         prompt_logprobs: with SamplingParams.prompt_logprobs: None for the first
             prompt token, then for each later one {that token: Logprob, + the top
             prompt_logprobs tokens} from the raw model distribution; None otherwise.
+        prompt_hidden_states: with SamplingParams.return_hidden_states, {layer:
+            f32[num_prompt_tokens, hidden_size]} (EngineConfig.hidden_state_layers);
+            None otherwise.
         error: why the prompt was not served, else None. Set (with ``outputs``
             empty) for a prompt LLM.generate_iter rejected (LLM.generate raises on
             such input before running anything), and, by both, when every completion
@@ -190,3 +204,4 @@ class RequestOutput:
     finished: bool = True
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_hidden_states: dict[int, Any] | None = None

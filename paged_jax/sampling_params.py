@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Literal, get_args
 
@@ -67,6 +68,15 @@ class SamplingParams:
             the distribution actually sampled from: after min_tokens bans, penalties,
             temperature (not for greedy rows), top-k, top-p and min-p (-inf outside the
             kept set). Prompt logprobs stay raw. Not with speculative decoding yet.
+        return_hidden_states: return the residual stream of the engine's
+            EngineConfig.hidden_state_layers as RequestOutput.prompt_hidden_states and
+            CompletionOutput.hidden_states ({layer: f32[num_tokens, hidden_size]}). The
+            request then never reads the prefix cache (every prompt row is computed).
+        steering_vectors: {layer: vector of hidden_size floats} added to the residual
+            stream after that decoder layer (one of the engine's
+            EngineConfig.steering_layers) for every token of the request, prompt and
+            generated. Stored as a tuple of (layer, tuple of floats) pairs in layer order,
+            so the params stay hashable; None: unsteered.
     """
 
     n: int = 1
@@ -90,6 +100,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logprobs_mode: LogprobsMode = "raw_logprobs"
+    return_hidden_states: bool = False
+    steering_vectors: tuple[tuple[int, tuple[float, ...]], ...] | None = None
 
     def __post_init__(self) -> None:
         # Normalise list/str inputs to tuples so the object stays hashable and immutable.
@@ -150,14 +162,43 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not is_number(rp) or not 0.0 < rp < 1e6:
             fail(self, "repetition_penalty", "a number > 0 (1 disables it)")
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "return_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
+        self._normalise_steering_vectors()
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             fail(self, "structured_outputs", "None or a StructuredOutputsParams")
         if self.logprobs_mode not in LOGPROBS_MODES:
             fail(self, "logprobs_mode", f"one of {LOGPROBS_MODES}")
+
+    def _normalise_steering_vectors(self) -> None:
+        vectors = self.steering_vectors
+        if vectors is None:
+            return
+        pairs = vectors.items() if isinstance(vectors, dict) else vectors
+        want = "None or {layer (int): vector (a non-empty sequence of finite floats)}"
+        try:
+            pairs = [(k, v) for k, v in pairs]
+        except (TypeError, ValueError):
+            fail(self, "steering_vectors", want)
+        out = []
+        for layer, vector in pairs:
+            if isinstance(layer, str) and layer.lstrip("-").isdigit():  # a JSON object's key
+                layer = int(layer)
+            if not is_int(layer):
+                fail(self, "steering_vectors", want)
+            try:
+                values = tuple(float(x) for x in vector)
+            except (TypeError, ValueError):
+                fail(self, "steering_vectors", want)
+            if not values or not all(math.isfinite(x) for x in values):
+                fail(self, "steering_vectors", want)
+            out.append((int(layer), values))
+        layers = [layer for layer, _ in out]
+        if not out or len(set(layers)) != len(layers):
+            fail(self, "steering_vectors", want + " with distinct layers")
+        object.__setattr__(self, "steering_vectors", tuple(sorted(out)))
 
     @property
     def has_penalties(self) -> bool:

@@ -82,6 +82,13 @@ def check_data_parallel_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-parallel-size={n!r} must be an int >= 1")
     if args.cpus_per_replica is not None and args.cpus_per_replica < 1:
         raise ValueError(f"--cpus-per-replica={args.cpus_per_replica!r} must be an int >= 1")
+    layers = getattr(args, "hidden_state_layers", None)
+    if n > 1 and layers:
+        # The replicas' records travel back through Ray; their .npy files would not.
+        raise ValueError(
+            f"--hidden-state-layers={' '.join(map(str, layers))} must be left out with "
+            f"--data-parallel-size={n}: the single-process CLI writes hidden-state files"
+        )
     if n > 1 or args.ray_address is not None:
         _import_ray()
 

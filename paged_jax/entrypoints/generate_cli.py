@@ -34,6 +34,9 @@ from paged_jax.entrypoints.data_parallel import (
     check_data_parallel_args,
 )
 from paged_jax.entrypoints.field_flags import Flag, add_field_flags, field_values
+from paged_jax.entrypoints.hidden_state_files import (
+    write_hidden_state_files,
+)
 from paged_jax.entrypoints.job import (
     SIZED_FIELDS,
     JobRequest,
@@ -148,8 +151,12 @@ SAMPLING_FLAGS = {
     "repetition_penalty": Flag("> 0; 1 = off"),
     "include_stop_str_in_output": Flag("keep the stop string / stop token text in the output text"),
     "skip_special_tokens": Flag("keep special tokens in the output text"),
+    "return_hidden_states": Flag(
+        "write the --hidden-state-layers rows of every line as .npy files beside --output"
+    ),
 }
 SAMPLING_ABSENT = {
+    "steering_vectors": 'a vector per layer: the prompts file\'s "steering_vectors" line key',
     # Not one flag per field: one of three flags builds the constraint (add_constraint_flags).
     "structured_outputs": "--json-schema FILE, --regex PATTERN or --choice A,B,C",
 }
@@ -241,8 +248,18 @@ ENGINE_FLAGS = {
         "a request's tokens and logprobs bitwise independent of the batch, its chunking "
         "and prefix-cache hits (one bucket, fixed reduction orders; slower)"
     ),
+    "hidden_state_layers": Flag(
+        "layers whose residual stream lines may ask for (return_hidden_states): i = after "
+        "decoder layer i, -1 = the final-norm output",
+        extra={"nargs": "+", "metavar": "LAYER"},
+    ),
+    "steering_layers": Flag(
+        "decoder layers that lines may steer (their steering_vectors key)",
+        extra={"nargs": "+", "metavar": "LAYER"},
+    ),
 }
 ENGINE_ABSENT = {
+    "enable_prompt_embeds": "prompt embeddings are arrays: the Python API takes them",
     "scheduling_policy": "the prompts file carries no request priority",
     "hash_algo": "the prefix-cache hash changes no output",
     "validate": "a debugging switch of the tests (device-side range checks)",
@@ -926,7 +943,11 @@ def _generate(
                 if records.bar is not None:
                     rate = num_generated / max(time.perf_counter() - start, 1e-9)
                     records.bar.set_postfix_str(f"out {rate:.1f} tok/s", refresh=False)
-                if records.emit(request_record(line, out)):
+                record = request_record(line, out)
+                if plan.output is not None:
+                    target = plan.output.target
+                    record.update(write_hidden_state_files(target, line.index, out))
+                if records.emit(record):
                     records.results.append(out)
             if records.output_error is not None:  # stop: no further record can be kept
                 return None, list(unfinished.values())

@@ -49,6 +49,9 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
         [lp[t].logprob, lp[t].rank]
         for lp, t in zip(scored.prompt_logprobs[1:], scored.prompt_token_ids[1:])
     ]
+    activations = (
+        run_activations(llm, prompts[0]) if run["engine"].get("hidden_state_layers") else {}
+    )
     stats = llm.get_stats()
     kv = llm.engine.kv_cache_manager
     kv.check_invariants()
@@ -57,6 +60,7 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
         "greedy": [o.outputs[0].token_ids for o in greedy],
         "seeded": [o.outputs[0].token_ids for o in seeded],
         "prompt_logprobs": prompt_logprobs,
+        "activations": activations,
         "stats": {
             **stats,
             "all_blocks_free": kv.num_free_blocks == kv.num_usable_blocks,
@@ -67,6 +71,39 @@ def run_one(run: dict[str, Any]) -> dict[str, Any]:
             "expert_bytes_per_device": expert_bytes_per_device(runner.weights),
             "build_s": build_s,
         },
+    }
+
+
+def run_activations(llm: Any, prompt: list[int]) -> dict[str, Any]:
+    """With the engine's activation options (docs/research_integration.md, "Activations"):
+    a steered request and a prompt-embeddings request, both capturing; their tokens and
+    {layer: rows} (prompt then generated) as lists."""
+    import numpy as np
+
+    from paged_jax.sampling_params import SamplingParams
+
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    hidden = engine.steering.hidden_size
+    vectors = {layer: rng.normal(0, 1, hidden).tolist() for layer in engine.steering.layers}
+    rows = rng.normal(0, 1, (9, hidden)).astype(np.float32)
+    params = dict(temperature=0.0, max_tokens=4, ignore_eos=True, return_hidden_states=True)
+    outs = llm.generate(
+        [prompt, {"prompt_embeds": rows}],
+        [SamplingParams(**params, steering_vectors=vectors), SamplingParams(**params)],
+        use_tqdm=False,
+    )
+    return {
+        name: {
+            "tokens": out.outputs[0].token_ids,
+            "rows": {
+                str(layer): np.concatenate(
+                    [out.prompt_hidden_states[layer], out.outputs[0].hidden_states[layer]]
+                ).tolist()
+                for layer in out.prompt_hidden_states
+            },
+        }
+        for name, out in (("steered", outs[0]), ("embeds", outs[1]))
     }
 
 

@@ -51,6 +51,7 @@ from paged_jax.models.layer_scan import (
     split_without_layers,
 )
 from paged_jax.models.lora import DeviceLoRA, lora_module_shapes, lora_stack_specs
+from paged_jax.worker.capture import PendingCapture, activation_hooks
 from paged_jax.worker.executable_cache import ExecutableCache, WarmupReport
 from paged_jax.worker.input_batch import PAD_SLOT_ID, decode_step_shapes
 from paged_jax.worker.kv_cache_dtype import check_kv_scales, initial_kv_scales, kv_cache_jnp_dtype
@@ -326,7 +327,9 @@ class PendingStep:
         num_seqs: int,
         with_logprobs: bool = True,
         prompt: PendingPromptLogprobs | None = None,
+        captured: PendingCapture | None = None,
     ):
+        self._captured = captured
         self._spec = isinstance(out, SpecSamplerOutput)
         if with_logprobs:
             for array in out:
@@ -344,11 +347,19 @@ class PendingStep:
         """Waits for the step and returns the samples of its real sequences."""
         n = self._num_seqs
         prompt = None if self._prompt is None else self._prompt.result()
+        captured = None if self._captured is None else self._captured.result()
         emitted = np.asarray(self._out.num_emitted)[:n] if self._spec else None
         if not self._with_logprobs:
             token_ids, nonfinite = _split_nonfinite(np.asarray(self._out.token_ids)[:n])
             return StepResult(
-                token_ids, None, None, None, nonfinite, prompt_logprobs=prompt, num_emitted=emitted
+                token_ids,
+                None,
+                None,
+                None,
+                nonfinite,
+                prompt_logprobs=prompt,
+                num_emitted=emitted,
+                hidden_states=captured,
             )
         out = jax.device_get(self._out)
         token_ids, nonfinite = _split_nonfinite(np.asarray(out.token_ids[:n]))
@@ -361,6 +372,7 @@ class PendingStep:
             np.asarray(out.ranks[:n]),
             prompt,
             emitted,
+            captured,
         )
 
 
@@ -397,6 +409,8 @@ class StepResult:
     ranks: np.ndarray | None = None  # i32[num_seqs]; sampled token's 1-based rank
     prompt_logprobs: TokenLogprobs | None = None  # [N] rows asked for
     num_emitted: np.ndarray | None = None  # i32[num_seqs]; speculative steps only
+    # f32[K, M, hidden]: the captured layers' rows of dispatch's hidden_state_rows
+    hidden_states: np.ndarray | None = None
 
 
 class Runner:
@@ -540,6 +554,12 @@ class Runner:
         ) and callable(getattr(model, "logits", None))
         self.prompt_chunk = prompt_chunk_size(config)
         chunk, hidden_path = self.prompt_chunk, self.supports_prompt_logprobs
+        # Activations (EngineConfig.hidden_state_layers, steering_layers): the step runs
+        # the model with hooks after its layers; it also returns the captured layers' rows
+        # in chunks of `chunk` rows, and dispatch copies only the chunks holding requested
+        # rows (paged_jax.worker.capture).
+        self.activations = activation_hooks(model, config, hidden_path)
+        hooks = self.activations
 
         def step_fn(
             weights: Any,
@@ -554,6 +574,8 @@ class Runner:
             spec: SpecDecodeInput | None = None,
             draft_probs: jax.Array | None = None,  # f32[max_num_seqs, k, V] by row
             lora: Any = None,  # models.lora.LoRAStep (enable_lora)
+            steering: jax.Array | None = None,  # f32[J, S, hidden]; steering_layers only
+            embeds: Any = None,  # (f32[T, embed], bool[T]); enable_prompt_embeds only
         ) -> tuple[SamplerOutput, list, jax.Array, tuple[jax.Array, ...]]:
             m, extra = merge(weights)
             token_ids = feed_tokens(row_tokens, token_ids, feed.token_rows)
@@ -561,13 +583,19 @@ class Runner:
                 extra["kv_scales"] = kv_scales
             if lora is not None:
                 extra["lora"] = lora
-            hidden_chunks = ()
-            if hidden_path:
+            hidden_chunks = ((), ())  # (last layer's, captured layers') row chunks
+            if hooks is not None:
+                hidden, kv_caches, captured = hooks.forward(
+                    m, steering, token_ids, positions, kv_caches, attention, backend, extra, embeds
+                )
+                logits = m.logits(hidden[attention.logits_indices])
+                hidden_chunks = (split_rows(hidden, chunk), hooks.chunks(captured, chunk))
+            elif hidden_path:
                 hidden, kv_caches = m.forward_paged_hidden(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
                 )
                 logits = m.logits(hidden[attention.logits_indices])
-                hidden_chunks = split_rows(hidden, chunk)
+                hidden_chunks = (split_rows(hidden, chunk), ())
             else:
                 logits, kv_caches = m.forward_paged(
                     token_ids, positions, kv_caches, attention, attention_backend=backend, **extra
@@ -663,6 +691,8 @@ class Runner:
         self._scatter = jax.jit(scatter_blocks, donate_argnums=(0,), **tp_out)
         self._host_blocks: dict[str, tuple[int, list[tuple[np.ndarray, np.ndarray]]]] = {}
         self._zero_history: dict[int, jax.Array] = {}  # num_seqs bucket -> i32[S, L] zeros
+        self._zero_steering: dict[int, jax.Array] = {}  # num_seqs bucket -> f32[J, S, H]
+        self._no_embeds: dict[int, Any] = {}  # num_tokens bucket -> (f32[T, E], bool[T])
         self._neutral_penalties: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         # Structured outputs: words per bitmask row (cdiv(V, 32)), and the all-ones
         # bitmask of each num_seqs bucket.
@@ -702,7 +732,33 @@ class Runner:
             step.spec,
             self.draft_probs if step.spec is not None else None,
             None if self.lora is None else self.lora.step_input(step.lora_slots, step.bucket[0]),
+            self._steering_rows(step),
+            self._embed_rows(step),
         )
+
+    def _embed_rows(self, step: StepInput) -> Any:
+        """The step's prompt-embedding rows (f32[T, embed], bool[T]) under
+        EngineConfig.enable_prompt_embeds; a step without any gets resident padding."""
+        if self.activations is None or not self.activations.prompt_embeds:
+            return None
+        if step.prompt_embeds is not None:
+            return step.prompt_embeds
+        t = step.token_ids.shape[0]
+        if t not in self._no_embeds:
+            self._no_embeds[t] = jax.device_put(self.activations.no_embeds(t))
+        return self._no_embeds[t]
+
+    def _steering_rows(self, step: StepInput) -> Any:
+        """The step's steering vectors f32[J, S, hidden] (EngineConfig.steering_layers); a
+        step without a steered row gets a resident zero array of the bucket's shape."""
+        if self.activations is None or not self.activations.steer_layers:
+            return None
+        if step.steering is not None:
+            return step.steering
+        s = step.attention.seq_lens.shape[0]
+        if s not in self._zero_steering:
+            self._zero_steering[s] = jax.device_put(self.activations.zero_steering(s))
+        return self._zero_steering[s]
 
     @counting_compiles
     def dispatch(
@@ -712,6 +768,7 @@ class Runner:
         *,
         prompt_rows: np.ndarray | None = None,
         prompt_targets: np.ndarray | None = None,
+        hidden_state_rows: np.ndarray | None = None,
     ) -> PendingStep:
         """Launches one bucketed step without waiting for it (JAX async dispatch).
 
@@ -729,16 +786,27 @@ class Runner:
                 the step, one per chunk of prompt_chunk rows holding any of them.
             prompt_targets: i32[N] the token each of those rows' logprob and rank are
                 read at (the prompt's next token).
+            hidden_state_rows: i32[M] token rows whose captured hidden states
+                (EngineConfig.hidden_state_layers) are copied to the host, or None: only
+                the fixed-size chunks holding them leave the device
+                (StepResult.hidden_states).
         """
-        out, hidden_chunks = self._launch(step)
+        out, (hidden_chunks, captured_chunks) = self._launch(step)
         prompt = None
         if prompt_rows is not None and len(prompt_rows):
             assert self.supports_prompt_logprobs, "prompt logprobs asked of a model without them"
             prompt = self._dispatch_prompt_logprobs(hidden_chunks, prompt_rows, prompt_targets)
-        return PendingStep(out, step.num_seqs, with_logprobs, prompt)
+        captured = None
+        if hidden_state_rows is not None and len(hidden_state_rows):
+            assert self.activations is not None and self.activations.capture_layers, (
+                "hidden states asked of an engine without hidden_state_layers"
+            )
+            captured = PendingCapture(captured_chunks, hidden_state_rows, self.prompt_chunk)
+        return PendingStep(out, step.num_seqs, with_logprobs, prompt, captured)
 
-    def _launch(self, step: StepInput) -> tuple[SamplerOutput, tuple[jax.Array, ...]]:
-        """Dispatches the step's copies and the step; the sampler's outputs, hidden chunks."""
+    def _launch(self, step: StepInput) -> tuple[SamplerOutput, tuple[tuple[jax.Array, ...], ...]]:
+        """Dispatches the step's copies and the step; the sampler's outputs and the row
+        chunks (the last layer's, the captured layers')."""
         self.run_copies(step.copies)
         result = self.step_program(step)(*self.step_args(step))
         err, result = result if self.config.validate else (None, result)
@@ -946,7 +1014,7 @@ class Runner:
                 out, chunks = self._launch(step)
                 result = PendingStep(out, step.num_seqs).result()
                 assert result.token_ids.shape[0] == 0, "a padding-only step produced samples"
-                hidden_chunk[:] = chunks[:1]
+                hidden_chunk[:] = chunks[0][:1]
 
             build(
                 i, program_name(step), self.jitted_step, lambda s=step: self.step_args(s), run_step

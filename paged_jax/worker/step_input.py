@@ -249,6 +249,12 @@ class StepInput:
     # Multi-LoRA (EngineConfig.enable_lora): i32[T] adapter slot of each token row, -1 =
     # the base model; None = every row on the base model (the runner feeds a resident -1).
     lora_slots: Any = None
+    # EngineConfig.steering_layers: per steerable layer and sequence the vector added to
+    # the residual stream (zero rows: unsteered); None: no row steered (paged_jax.activations).
+    steering: Any = None  # f32[J, S, hidden]
+    # EngineConfig.enable_prompt_embeds: (f32[T, embed] rows, bool[T] mask) replacing the
+    # embedding table's rows of prompt positions given as embeddings; None: no such row.
+    prompt_embeds: Any = None
 
     @property
     def bucket(self) -> tuple[int, int]:

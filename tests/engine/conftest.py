@@ -26,3 +26,34 @@ def default_engine(_shared_default_engine) -> Engine:
     assert_pool_drained(engine)
     assert engine.kv_cache_manager.reset_prefix_cache(), "blocks still held by a request"
     return engine
+
+
+@pytest.fixture(scope="session")
+def _activations_llm(tiny_hf_checkpoint):
+    from paged_jax import LLM
+
+    path = tiny_hf_checkpoint("llama")
+    llm = LLM(
+        str(path),
+        hidden_state_layers=(0, 1, -1),
+        steering_layers=(0, 1),
+        enable_prompt_embeds=True,
+        scan_layers="on",
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        attention_backend="reference",
+    )
+    return llm, path
+
+
+@pytest.fixture
+def activations_llm(_activations_llm):
+    """(LLM, checkpoint path): a tiny Llama (scanned layers) with every activation option
+    (hidden_state_layers (0, 1, -1), steering_layers (0, 1), enable_prompt_embeds), built
+    once for the hidden-state, steering and prompt-embedding tests; its prefix cache is
+    empty at the start of each test."""
+    llm, path = _activations_llm
+    assert llm.engine.kv_cache_manager.reset_prefix_cache(), "blocks still held by a request"
+    return llm, path

@@ -58,6 +58,9 @@ RUNS = {
     "qwen2_moe": ({}, [(2, "swap", "reference"), (4, "recompute", "reference")]),
 }
 SEEDS = [11, 12, 13]
+# The Llama runs at N=1 and N=2 also build the activation options and serve a steered
+# and a prompt-embeddings request, both capturing (tp_checks.run_activations).
+ACTIVATIONS = dict(hidden_state_layers=(0, -1), steering_layers=(1,), enable_prompt_embeds=True)
 # N-gram speculation at N=2 on the Llama checkpoint (same prompts and pool, so it
 # preempts and hits the prefix cache too): greedy must equal N=1 without speculation.
 # Lookup from one token on proposes drafts on these random prompts every few steps.
@@ -118,6 +121,7 @@ def results(checkpoints, prompts, tmp_path_factory):
                         "preemption_mode": mode,
                         "attention_backend": backend,
                         "scan_layers": scan,
+                        **(ACTIVATIONS if family == "llama" and tp <= 2 else {}),
                     },
                     prompts=prompts,
                     max_tokens=MAX_NEW,
@@ -158,6 +162,20 @@ def results(checkpoints, prompts, tmp_path_factory):
 
 def _runs(family: str) -> list[int]:
     return [tp for tp, _, _ in RUNS[family][1]]
+
+
+def test_activations_under_tp_equal_n1(results):
+    """Captured rows of a steered and a prompt-embeddings request at N=2 equal N=1's
+    (f32; each within 1e-5 of transformers at N=1: tests/engine/test_hidden_states.py)."""
+    one, two = results[_name("llama", 1)], results[_name("llama", 2)]
+    assert set(one["activations"]) == {"steered", "embeds"}
+    for name, want in one["activations"].items():
+        got = two["activations"][name]
+        assert got["tokens"] == want["tokens"]
+        assert set(got["rows"]) == {"0", "-1"}
+        for layer, rows in want["rows"].items():
+            assert np.asarray(rows).shape == (len(rows), 128) and len(rows) > 4
+            np.testing.assert_allclose(got["rows"][layer], rows, atol=1e-5)
 
 
 def test_subprocess_sees_eight_devices(results):
