@@ -124,7 +124,7 @@ def add_field_flags(
             kwargs["choices"] = typing.get_args(kind)
         elif kind is not str:
             kwargs["type"] = kind
-        group.add_argument(name, **kwargs, **flag.extra)
+        group.add_argument(name, **{**kwargs, **flag.extra})  # the table may set type
 
 
 def field_values(args: argparse.Namespace, cls: type, flags: Mapping[str, Flag]) -> dict[str, Any]:

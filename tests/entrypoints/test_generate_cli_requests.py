@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from paged_jax.entrypoints.generate_cli import build_parser
+from paged_jax.entrypoints.generate_cli import build_parser, sampling_params_from_args
 from paged_jax.entrypoints.generate_cli import main as generate_main
 from paged_jax.sampling_params import SamplingParams
 
@@ -154,3 +154,18 @@ def test_second_run_loads_the_step_from_the_compile_cache(model_dir, tmp_path):
     # Every bucket of the second run came from the cache.
     assert runs[1]["compile_cache_misses"] == 0
     assert runs[1]["compile_cache_hits"] == runs[0]["compile_cache_misses"]
+
+
+def test_steering_vectors_flag_takes_inline_json_or_a_file(tmp_path, capsys):
+    parser = build_parser()
+    base = ["--model", "m", "--prompts", "p"]
+    args = parser.parse_args([*base, "--steering-vectors", '{"1": [0.5, -1.0]}'])
+    assert sampling_params_from_args(args).steering_vectors == ((1, (0.5, -1.0)),)
+    path = tmp_path / "steer.json"
+    path.write_text('{"0": [2.0], "-1": [1.0]}')
+    args = parser.parse_args([*base, "--steering-vectors", str(path)])
+    assert dict(sampling_params_from_args(args).steering_vectors) == {0: (2.0,), -1: (1.0,)}
+    for bad, why in (("[1, 2]", "must be a JSON object"), ("{1: 2}", "not valid JSON")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*base, "--steering-vectors", bad])
+        assert why in capsys.readouterr().err
