@@ -36,8 +36,9 @@ import os
 import pickle
 import sys
 import threading
+import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import numpy as np
@@ -91,6 +92,8 @@ PER_PROCESS_FIELDS = frozenset(
 
 # How long past jax's own timeout the join is waited for before giving up on jax.
 _JOIN_GRACE_S = 30
+# Seconds between the join wait's checks of stop_requested.
+_JOIN_POLL_S = 0.25
 
 
 class LockstepError(RuntimeError):
@@ -167,13 +170,17 @@ def settings_from(
     )
 
 
-def initialize(settings: DistributedSettings) -> None:
+def initialize(
+    settings: DistributedSettings, stop_requested: Callable[[], bool] | None = None
+) -> None:
     """Joins the job (jax.distributed.initialize) before any device is queried.
 
     Idempotent for the same job; CPU processes use gloo collectives. Waits at most
     ``settings.init_timeout_s`` for every process to join. jax's join blocks in C++,
     where Python's Ctrl-C handler never runs, so it runs in a helper thread and this
-    thread waits on it (a wait that signals interrupt): Ctrl-C ends the wait.
+    thread waits on it in short slices (waits that signals interrupt): Ctrl-C ends the
+    wait, and so does ``stop_requested()`` turning true between slices (a Ctrl-C whose
+    KeyboardInterrupt Python swallowed, e.g. raised inside a gc callback, is not lost).
 
     Raises:
         JoinError: a process did not join in time, or the coordinator is unreachable.
@@ -217,7 +224,11 @@ def initialize(settings: DistributedSettings) -> None:
     )
     thread = threading.Thread(target=join, name="paged-jax-join", daemon=True)
     thread.start()
-    thread.join(settings.init_timeout_s)
+    deadline = time.monotonic() + settings.init_timeout_s
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        thread.join(min(_JOIN_POLL_S, left))
+        if stop_requested is not None and stop_requested():
+            raise KeyboardInterrupt
     if thread.is_alive():
         raise JoinError(
             f"could not join {where}: not every process joined within "

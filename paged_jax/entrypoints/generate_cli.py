@@ -154,14 +154,42 @@ SAMPLING_FLAGS = {
     "return_hidden_states": Flag(
         "write the --hidden-state-layers rows of every line as .npy files beside --output"
     ),
+    "steering_vectors": Flag(
+        'a JSON object {"LAYER": [hidden_size floats], ...}, or a file holding one, added '
+        "after those --steering-layers for every line (a line's own key wins)",
+        extra={
+            "type": lambda value: _json_object_arg(value, "--steering-vectors"),
+            "metavar": "JSON",
+        },
+    ),
 }
 SAMPLING_ABSENT = {
-    "steering_vectors": 'a vector per layer: the prompts file\'s "steering_vectors" line key',
     # Not one flag per field: one of three flags builds the constraint (add_constraint_flags).
     "structured_outputs": "--json-schema FILE, --regex PATTERN or --choice A,B,C",
 }
 # The flags that set SamplingParams.structured_outputs for the whole file, by its field.
 CONSTRAINT_FLAGS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice"}
+
+
+def _json_object_arg(value: str, flag: str) -> dict[str, Any]:
+    """A flag's JSON object, given inline (JSON text) or as a file's path."""
+    text = value
+    if not value.lstrip().startswith(("{", "[")):
+        try:
+            text = pathlib.Path(value).read_text()
+        except OSError as err:
+            raise argparse.ArgumentTypeError(
+                f"{flag}={value!r} is neither a JSON object nor a readable file ({err})"
+            ) from err
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{flag}: not valid JSON ({err})") from err
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(
+            f"{flag} must be a JSON object (layer -> vector), not {type(obj).__name__}"
+        )
+    return obj
 
 
 class ConstraintFlag(NamedTuple):
@@ -506,7 +534,7 @@ class _Plan:
     multiprocess: bool = False  # one of the processes of a multi-process engine
 
 
-def _prepare(args: argparse.Namespace) -> _Plan:
+def _prepare(args: argparse.Namespace, interrupt: _Interrupt | None = None) -> _Plan:
     """Fatal checks, cheapest first, so a doomed run fails in seconds without loading.
 
     The output file is opened last, so a run that fails here touches no file.
@@ -598,7 +626,7 @@ def _prepare(args: argparse.Namespace) -> _Plan:
         EngineConfig(**{k: v for k, v in engine_args.items() if k.startswith("distributed_")})
     )
     if job is not None:  # join before the checks below start jax's backend
-        initialize_distributed(job)
+        initialize_distributed(job, None if interrupt is None else lambda: interrupt.seen)
         # Process 0's job is every process's: admission comes from it (LLM.generate_iter),
         # and an engine sized to each process's own file would compile other programs.
         lines, requests = broadcast_from_primary((lines, requests))
@@ -748,7 +776,7 @@ def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     with _Interrupt() as interrupt:
         try:
-            plan = _prepare(args)
+            plan = _prepare(args, interrupt)
             interrupt.check()
         except (ValueError, FileNotFoundError) as err:
             print(f"{PROG}: error: {err}", file=sys.stderr)

@@ -151,3 +151,26 @@ def test_a_killed_peer_leaves_the_survivor_exit_1_with_error_records(model_dir, 
     assert done[0]["error"] is None and len(done[0]["outputs"][0]["token_ids"]) == 2, done
     failed = [r for r in records if r["line"] != 1]
     assert all("the engine failed before this request finished" in r["error"] for r in failed)
+
+
+def test_the_join_wait_ends_when_stop_is_requested(tmp_path):
+    # A Ctrl-C whose KeyboardInterrupt Python swallowed (raised inside a gc callback) only
+    # sets the CLI's flag: the join's wait checks it between its slices, so the process
+    # does not wait out --distributed-init-timeout. Process 1 of 2, no coordinator.
+    code = f"""
+import os, time
+from paged_jax.distributed import DistributedSettings, initialize
+settings = DistributedSettings("127.0.0.1:{_free_port()}", 2, 1, 30, 3600)
+t0 = time.monotonic()
+try:
+    initialize(settings, stop_requested=lambda: time.monotonic() - t0 > 1.0)
+except KeyboardInterrupt:
+    print("stopped", flush=True)
+    os._exit(0)
+print("joined?", flush=True)
+os._exit(1)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=START_GUARD_S
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "stopped", out.stdout + out.stderr
