@@ -58,8 +58,18 @@ def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None, devices=2)
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     log = tmp / f"{name}.log"
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env=env, preexec_fn=_default_sigint
+        )
     return proc, log
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT as a terminal gives it. A child inherits an ignored
+    SIGINT (a test run started in the background by a non-interactive shell has one), and
+    a Python started so never raises KeyboardInterrupt: the Ctrl-C test then hung."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _wait(procs, guard_s):
