@@ -505,8 +505,10 @@ class _Interrupt:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
 
-    def _handle(self, signum: int, frame: object) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         self.seen = True
+        if getattr(getattr(frame, "f_code", None), "co_name", "") == "_xla_gc_callback":
+            return  # Python would print it as ignored; check() raises it instead
         raise KeyboardInterrupt
 
     def check(self) -> None:
