@@ -9,8 +9,9 @@ request rows to the pool in batches and the records back; the CLI writes each re
 its batch arrives. A replica that dies is restarted by Ray (its LLM built again, warm
 from the compile cache) and its unfinished batch retried, so no request is lost; a
 batch's records come back together or not at all, and the CLI's writer drops a record
-whose index it already wrote, so none is written twice. ray is imported only when a job
-runs (the optional extra `paged-jax[ray]`).
+whose index it already wrote, so none is written twice. A request's hidden states come
+back beside its record as .npz bytes, and the CLI writes the single-process run's .npy
+files from them. ray is imported only when a job runs (the optional extra `paged-jax[ray]`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from paged_jax.constants import WARMUP_OTHER_KEY, WARMUP_SUMMARY_KEYS
+from paged_jax.entrypoints.hidden_state_files import (
+    decode_hidden_states,
+    write_hidden_state_files,
+)
 from paged_jax.entrypoints.records import NOT_SERVED, request_record
 from paged_jax.entrypoints.replica import (
     CRASH_HOOK_ENV,
@@ -82,13 +87,6 @@ def check_data_parallel_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--data-parallel-size={n!r} must be an int >= 1")
     if args.cpus_per_replica is not None and args.cpus_per_replica < 1:
         raise ValueError(f"--cpus-per-replica={args.cpus_per_replica!r} must be an int >= 1")
-    layers = getattr(args, "hidden_state_layers", None)
-    if n > 1 and layers:
-        # The replicas' records travel back through Ray; their .npy files would not.
-        raise ValueError(
-            f"--hidden-state-layers={' '.join(map(str, layers))} must be left out with "
-            f"--data-parallel-size={n}: the single-process CLI writes hidden-state files"
-        )
     if n > 1 or args.ray_address is not None:
         _import_ray()
 
@@ -217,8 +215,12 @@ def generate_dataset(
 
     Returns:
         A Dataset with one row per input row: "index" (the row's, or null), "record" (the
-        CLI's output record as JSON text) and "replica" (the serving replica's figures
-        as JSON text).
+        CLI's output record as JSON text), "hidden_states" (with return_hidden_states and
+        engine_args' hidden_state_layers: the rows as .npz bytes, which
+        ``paged_jax.entrypoints.hidden_state_files.decode_hidden_states`` turns into
+        {"prompt": {layer: f32[P, hidden]}, "out<j>": {layer: f32[N_j - 1, hidden]}};
+        null for a row that asked for none) and "replica" (the serving replica's
+        figures as JSON text).
     """
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size!r} must be an int >= 1")
@@ -328,9 +330,10 @@ def run_data_parallel(args: argparse.Namespace, plan: Any, records: Any) -> dict
                 **plan.engine_args,
             )
             for batch in out.iter_batches(batch_size=None, batch_format="pyarrow"):
-                for index, text, stats in zip(
+                for index, text, states, stats in zip(
                     batch["index"].to_pylist(),
                     batch["record"].to_pylist(),
+                    batch["hidden_states"].to_pylist(),
                     batch["replica"].to_pylist(),
                 ):
                     if index not in pending:
@@ -338,6 +341,9 @@ def run_data_parallel(args: argparse.Namespace, plan: Any, records: Any) -> dict
                         continue
                     del pending[index]
                     record = json.loads(text)
+                    if states is not None and plan.output is not None:  # as the single run
+                        rows = decode_hidden_states(states)
+                        record.update(write_hidden_state_files(plan.output.target, index, rows))
                     if records.emit(record) and record.get("error") is None:
                         results.append(record)
                     info = json.loads(stats)

@@ -28,6 +28,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+from paged_jax.entrypoints.hidden_state_files import encode_hidden_states, request_hidden_states
 from paged_jax.entrypoints.job import make_requests
 from paged_jax.entrypoints.prompts_file import ALLOWED_KEYS, PromptLine, parse_jsonl_line
 from paged_jax.entrypoints.records import rejected_error, request_record
@@ -206,23 +207,33 @@ class Replica:
         """Ray Data's entry: a pyarrow Table of request rows -> a Table of records.
 
         Returns:
-            Columns "index" (the row's, or null), "record" (the record as JSON text) and
-            "replica" (this replica's figures so far, JSON text).
+            Columns "index" (the row's, or null), "record" (the record as JSON text),
+            "hidden_states" (a request's hidden states as encode_hidden_states' .npz
+            bytes; null when it asked for none) and "replica" (this replica's figures so
+            far, JSON text).
         """
         import pyarrow as pa
 
-        records = self.serve(batch.to_pylist())
+        served = self.serve_with_hidden_states(batch.to_pylist())
         stats = json.dumps(self.stats())
         return pa.table(
             {
-                "index": pa.array([r["index"] for r in records], pa.int64()),
-                "record": pa.array([json.dumps(r, ensure_ascii=False) for r in records]),
-                "replica": pa.array([stats] * len(records)),
+                "index": pa.array([r["index"] for r, _ in served], pa.int64()),
+                "record": pa.array([json.dumps(r, ensure_ascii=False) for r, _ in served]),
+                "hidden_states": pa.array([states for _, states in served], pa.binary()),
+                "replica": pa.array([stats] * len(served)),
             }
         )
 
     def serve(self, rows: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
         """The records of `rows`, one per row (bad rows first, then in finish order)."""
+        return [record for record, _ in self.serve_with_hidden_states(rows)]
+
+    def serve_with_hidden_states(
+        self, rows: list[Mapping[str, Any]]
+    ) -> list[tuple[dict[str, Any], bytes | None]]:
+        """serve's records, each with its request's hidden states (encode_hidden_states'
+        bytes; None when the request asked for none or failed)."""
         start = time.time()
         self.first_start = start if self.first_start is None else self.first_start
         lines = [request_line(row) for row in rows]
@@ -234,7 +245,8 @@ class Replica:
                 f"time{'s' if deaths != 1 else ''} (max_batch_retries={self.max_batch_retries})"
             )
             return [
-                request_record(ln, error=_located(ln, f"line {ln.line}: {error}")) for ln in lines
+                (request_record(ln, error=_located(ln, f"line {ln.line}: {error}")), None)
+                for ln in lines
             ]
         requests = make_requests(
             lines,
@@ -243,7 +255,9 @@ class Replica:
             chat_template=self.llm.chat_template,
             max_model_len=self.llm.config.max_model_len,
         )
-        records = [request_record(ln, error=_located(ln, ln.error)) for ln in lines if ln.error]
+        records = [
+            (request_record(ln, error=_located(ln, ln.error)), None) for ln in lines if ln.error
+        ]
         unfinished = dict(enumerate(requests))
         stream = self.llm.generate_iter([r.prompt for r in requests], [r.params for r in requests])
         try:
@@ -251,16 +265,18 @@ class Replica:
                 line = unfinished.pop(i).line
                 if out.error is not None:
                     error = _located(line, rejected_error(line, i, out.error))
-                    records.append(request_record(line, error=error))
+                    records.append((request_record(line, error=error), None))
                 else:
-                    records.append(request_record(line, out))
+                    states = request_hidden_states(out)
+                    payload = None if states is None else encode_hidden_states(states)
+                    records.append((request_record(line, out), payload))
                 self._maybe_crash(line)
         except Exception as err:  # noqa: BLE001 - as the CLI: the rest get error records
             what = f"{type(err).__name__}: {err}"
             for request in unfinished.values():
                 line = request.line
                 error = f"line {line.line}: the engine failed before this request finished ({what})"
-                records.append(request_record(line, error=_located(line, error)))
+                records.append((request_record(line, error=_located(line, error)), None))
         finally:
             stream.close()
         self.last_end = time.time()

@@ -8,6 +8,11 @@ import json
 import numpy as np
 
 from paged_jax.entrypoints.generate_cli import main as generate_main
+from paged_jax.entrypoints.hidden_state_files import (
+    decode_hidden_states,
+    encode_hidden_states,
+    write_hidden_state_files,
+)
 
 
 def test_asking_lines_get_npy_files_equal_to_transformers(model_dir, tmp_path, capsys):
@@ -43,9 +48,25 @@ def test_asking_lines_get_npy_files_equal_to_transformers(model_dir, tmp_path, c
         np.testing.assert_allclose(np.concatenate([prompt_rows, out_rows]), ref, atol=1e-5)
 
 
-def test_data_parallel_refuses_hidden_state_layers_by_flag(capsys):
-    args = ["--hidden-state-layers", "0", "--data-parallel-size", "2"]
-    assert generate_main(args) == 2
-    assert "--hidden-state-layers=0 must be left out with --data-parallel-size=2" in (
-        capsys.readouterr().err
-    )
+def test_replica_payload_round_trips_to_the_same_files(tmp_path):
+    """A data-parallel replica's .npz bytes write the single-process run's files and entry
+    (a completion without rows keeps its place); f32 bytes exactly."""
+    rng = np.random.default_rng(0)
+    states = {
+        "prompt": {0: rng.normal(size=(3, 4)).astype(np.float32), -1: np.ones((3, 4), np.float32)},
+        "out0": {0: rng.normal(size=(2, 4)).astype(np.float32), -1: np.zeros((2, 4), np.float32)},
+        "out1": {},
+    }
+    got = decode_hidden_states(encode_hidden_states(states))
+    assert list(got) == ["prompt", "out0", "out1"] and got["out1"] == {}
+    for part, rows in states.items():
+        assert list(got[part]) == list(rows)
+        for layer in rows:
+            np.testing.assert_array_equal(got[part][layer], rows[layer])
+    entry = write_hidden_state_files(tmp_path / "o.jsonl", 7, got)["hidden_states"]
+    assert entry == {
+        "prompt": {"0": "o.jsonl.7.prompt.layer0.npy", "-1": "o.jsonl.7.prompt.layer-1.npy"},
+        "outputs": [{"0": "o.jsonl.7.out0.layer0.npy", "-1": "o.jsonl.7.out0.layer-1.npy"}, {}],
+    }
+    np.testing.assert_array_equal(np.load(tmp_path / entry["outputs"][0]["0"]), states["out0"][0])
+    assert write_hidden_state_files(tmp_path / "o.jsonl", 8, None) == {}
