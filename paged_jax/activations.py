@@ -58,6 +58,18 @@ class HiddenStates:
         self._parts.append(np.asarray(values[:, skip:], np.float32))
         self.num_positions = positions.stop
 
+    def fork(self, num_prompt_tokens: int, num_shared: int) -> HiddenStates:
+        """A forked child's collector: the rows of this request's first ``num_shared``
+        positions (what the child shares), its own prompt length."""
+        child = HiddenStates(self.layers, num_prompt_tokens)
+        keep = min(self.num_positions, num_shared)
+        if keep == self.num_positions:
+            child._parts = list(self._parts)  # arrays are never written: shared
+        elif keep:
+            child._parts = [np.concatenate(self._parts, axis=1)[:, :keep]]
+        child.num_positions = keep
+        return child
+
     def output(self, num_output_tokens: int) -> tuple[dict[int, Any], dict[int, Any]]:
         """({layer: prompt rows}, {layer: generated rows}) for a request that generated
         ``num_output_tokens`` tokens (N - 1 generated rows: the last is never fed back)."""
@@ -92,14 +104,17 @@ class ActivationCapture:
                 "SamplingParams.return_hidden_states=True needs an engine built with "
                 "EngineConfig.hidden_state_layers (e.g. (0, -1)); this one has ()"
             )
-        if params.n > 1:
-            raise ValueError(
-                f"SamplingParams.n={params.n} must be 1 with return_hidden_states=True "
-                "(one request per sequence: the samples share their prompt's rows)"
-            )
 
     def add(self, request_id: str, num_prompt_tokens: int) -> None:
         self.requests[request_id] = HiddenStates(self.layers, num_prompt_tokens)
+
+    def fork(
+        self, parent_id: str, child_id: str, num_prompt_tokens: int, num_shared: int
+    ) -> None:
+        """Starts a forked child's collector from its parent's rows of the ``num_shared``
+        positions they share (a parallel-sampling sample forked from its carrier keeps
+        the carrier's prompt rows)."""
+        self.requests[child_id] = self.requests[parent_id].fork(num_prompt_tokens, num_shared)
 
     def remove(self, request_id: str) -> HiddenStates | None:
         return self.requests.pop(request_id, None)
@@ -245,8 +260,6 @@ class PromptEmbeds:
             )
         if not np.isfinite(rows).all():
             raise ValueError("prompt_embeds must hold finite values only")
-        if params.n > 1:
-            raise ValueError(f"SamplingParams.n={params.n} must be 1 with prompt_embeds")
         return rows
 
     @staticmethod

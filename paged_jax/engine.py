@@ -320,15 +320,10 @@ class Engine:
         if params.structured_outputs is not None:
             # A bad constraint raises here, naming its field.
             self.structured.new_matcher(params, self.eos_token_ids)
-        if params.return_hidden_states:  # every prompt row computed, none from the cache
-            req.skip_reading_prefix_cache = True
-            self.activations.add(request_id, req.num_prompt_tokens)
-        if embeds is not None:
-            self.prompt_embeds.add(request_id, embeds)
         if params.n > 1:  # a parent: its carrier, or its samples
-            self.parallel_sampling.add(req, prompt, self._id_taken)
+            self.parallel_sampling.add(req, prompt, self._id_taken, embeds)
             return
-        self._queue(req, prompt, owns_prompt=True)
+        self._queue(req, prompt, embeds, owns_prompt=True)
 
     @_serialised
     def fork_request(
@@ -455,11 +450,21 @@ class Engine:
         self.output.add_request(request_id, params, prompt, owns_prompt=owns_prompt)
 
     def _queue(
-        self, req: Request, prompt: PromptLogprobs | None, *, owns_prompt: bool = False
+        self,
+        req: Request,
+        prompt: PromptLogprobs | None,
+        prompt_embeds: Any = None,
+        *,
+        owns_prompt: bool = False,
     ) -> None:
-        """Starts a validated request's state (see _register) and hands it to the
-        scheduler."""
+        """Starts a validated request's state (see _register; ``prompt_embeds``: its
+        checked f32[P, hidden] rows or None) and hands it to the scheduler."""
         self._register(req.request_id, req.sampling_params, prompt, owns_prompt=owns_prompt)
+        if req.sampling_params.return_hidden_states:  # every prompt row computed
+            req.skip_reading_prefix_cache = True
+            self.activations.add(req.request_id, req.num_prompt_tokens)
+        if prompt_embeds is not None:
+            self.prompt_embeds.add(req.request_id, prompt_embeds)
         self.scheduler.add_request(req)
 
     def _unregister(self, request_id: str) -> None:
@@ -489,13 +494,27 @@ class Engine:
             vocab_size=self.vocab_size,
             max_model_len=self.config.max_model_len,
         )
+        rid = parent.request_id
+        if params.return_hidden_states:
+            self.activations.check(params)
+            if rid not in self.activations.requests:
+                raise ValueError(
+                    f"SamplingParams.return_hidden_states=True for child {child_id!r} needs "
+                    f"a parent that captures them; {rid!r} does not"
+                )
+            child.skip_reading_prefix_cache = True
         matcher = self.structured.fork_matcher(parent, child, params, self.eos_token_ids)
         self._register(child_id, params, matcher=matcher)
         try:
-            self.scheduler.fork_request(parent.request_id, child, num_tokens=common)
+            self.scheduler.fork_request(rid, child, num_tokens=common)
         except ValueError:
             self._unregister(child_id)
             raise
+        # The child's first `common` positions are its parent's: so are their rows.
+        if params.return_hidden_states:
+            self.activations.fork(rid, child_id, child.num_prompt_tokens, common)
+        if rid in self.prompt_embeds.requests:
+            self.prompt_embeds.add(child_id, self.prompt_embeds.requests[rid])
 
     def _abort(self, request_id: str) -> EngineOutput:
         req = self.scheduler.requests[request_id]

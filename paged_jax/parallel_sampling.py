@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged_jax.core.request import Request, RequestStatus
 from paged_jax.outputs import EngineOutput
@@ -40,6 +40,19 @@ CARRIER_SUFFIX = "__prefill"
 CARRIER_PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 # When samples end differently, the parent reports the first of these any sample has.
 _REASON_ORDER = ("stop", "length", "abort")
+
+
+def carrier_params(params: SamplingParams) -> SamplingParams:
+    """The carrier's settings: CARRIER_PARAMS, with the parent's steering vectors (the
+    prompt's KV is the steered one its samples share) and its return_hidden_states (the
+    carrier's prompt rows are the samples' first rows)."""
+    if params.steering_vectors is None and not params.return_hidden_states:
+        return CARRIER_PARAMS
+    return dataclasses.replace(
+        CARRIER_PARAMS,
+        steering_vectors=params.steering_vectors,
+        return_hidden_states=params.return_hidden_states,
+    )
 
 
 def sample_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -58,6 +71,8 @@ class ParallelSampleRequest:
         arrival_time: the parent's arrival (wall-clock seconds).
         priority: the parent's scheduling priority, passed on to its requests.
         cache_salt: the parent's prefix-cache salt, passed on to its requests.
+        prompt_embeds: the parent's prompt embeddings (f32[P, hidden], checked by the
+            engine), passed on to its requests; None for a token prompt.
 
     Attributes:
         samples: (request id, settings) of each sample in index order; sample j is
@@ -75,6 +90,7 @@ class ParallelSampleRequest:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        prompt_embeds: Any = None,
     ) -> None:
         assert params.n > 1, "an n == 1 request is a plain request, never a parent"
         self.request_id = request_id
@@ -83,6 +99,7 @@ class ParallelSampleRequest:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.prompt_embeds = prompt_embeds
         self.samples = [(f"{request_id}_{j}", sample_params(params, j)) for j in range(params.n)]
         self.carrier_id = request_id + CARRIER_SUFFIX if len(self.prompt_token_ids) >= 2 else None
         self._outputs: dict[str, EngineOutput] = {}
@@ -132,6 +149,11 @@ class ParallelSampleRequest:
         else:
             reason = next(r for r in _REASON_ORDER if r in reasons)
         firsts = [o.first_token_time for o in outs if o.first_token_time is not None]
+        # Every sample that ran holds the whole prompt's rows (the carrier's, then its own
+        # row of the last prompt token): the parent reports them once.
+        prompt_states = next(
+            (o.prompt_hidden_states for o in outs if o.prompt_hidden_states is not None), None
+        )
         return EngineOutput(
             request_id=self.request_id,
             prompt_token_ids=list(self.prompt_token_ids),
@@ -144,6 +166,7 @@ class ParallelSampleRequest:
             num_cached_tokens=max(o.num_cached_tokens for o in outs),
             num_preemptions=sum(o.num_preemptions for o in outs),
             samples=outs,
+            prompt_hidden_states=prompt_states,
         )
 
 
@@ -151,10 +174,10 @@ class ParallelSampling:
     """The engine's live parallel-sampling parents and the requests they run.
 
     Args:
-        queue: ``queue(request, prompt)`` queues one of a parent's requests (a Request)
-            as a plain engine request; ``prompt`` is the parent's PromptLogprobs when
-            this request must compute them (it then skips reading the prefix cache),
-            else None.
+        queue: ``queue(request, prompt, prompt_embeds)`` queues one of a parent's
+            requests (a Request) as a plain engine request; ``prompt`` is the parent's
+            PromptLogprobs when this request must compute them (it then skips reading
+            the prefix cache), else None; ``prompt_embeds`` the parent's (or None).
         fork: ``fork(carrier, sample_id, prompt_token_ids, output_token_ids, params)``
             (the engine's fork, output_token_ids None) forks a sample from its
             prefilled carrier (a Request); ValueError when it cannot.
@@ -188,13 +211,18 @@ class ParallelSampling:
         return request_id in self.parents or request_id in self.parent_of
 
     def add(
-        self, req: Request, prompt: PromptLogprobs | None, id_taken: Callable[[str], bool]
+        self,
+        req: Request,
+        prompt: PromptLogprobs | None,
+        id_taken: Callable[[str], bool],
+        prompt_embeds: Any = None,
     ) -> None:
         """Queues an n > 1 request, validated as the Request ``req``: its carrier, or
         its samples (a one-token prompt).
 
         ``prompt`` collects the parent's prompt logprobs, computed by its carrier (or by
         samples that fell back to plain requests before the carrier finished them).
+        ``prompt_embeds``: the prompt's embeddings (every request of the parent gets them).
 
         Raises:
             ValueError: an id one of its requests needs is taken (``id_taken``).
@@ -206,6 +234,7 @@ class ParallelSampling:
             req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            prompt_embeds=prompt_embeds,
         )
         for rid in parent.request_ids:
             if id_taken(rid):
@@ -223,9 +252,8 @@ class ParallelSampling:
             for sample_id, params in parent.samples:
                 self._queue(parent, sample_id, parent.prompt_token_ids, params, arrival_time)
         else:
-            self._queue(
-                parent, parent.carrier_id, parent.carrier_prompt, CARRIER_PARAMS, arrival_time
-            )
+            carrier = carrier_params(parent.params)
+            self._queue(parent, parent.carrier_id, parent.carrier_prompt, carrier, arrival_time)
             self.prefilling[parent.carrier_id] = parent
 
     def _queue(
@@ -251,7 +279,7 @@ class ParallelSampling:
             skip_reading_prefix_cache=prompt is not None and prompt.num_cacheable_tokens == 0,
             max_cache_hit_tokens=None if prompt is None else prompt.num_cacheable_tokens,
         )
-        self.queue(req, prompt)
+        self.queue(req, prompt, parent.prompt_embeds)
 
     def after_step(
         self, finished: list[EngineOutput], requests: Mapping[str, Request]

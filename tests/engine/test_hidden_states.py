@@ -200,3 +200,37 @@ def test_bad_hidden_state_layers_name_the_field(layers):
 def test_a_layer_past_the_model_is_refused_by_name(tiny_hf_checkpoint):
     with pytest.raises(ValueError, match=r"hidden_state_layers entry 2 must be in \[-1, 2\)"):
         LLM(str(tiny_hf_checkpoint("llama")), hidden_state_layers=(2,), **CHUNKED)
+
+
+def test_parallel_samples_equal_their_n1_runs_with_activations(llms):
+    """n > 1 with return_hidden_states, steering and prompt embeddings: sample j equals the
+    n = 1 request seeded seed + j (tokens; rows within TOL: its last prompt token runs as
+    a decode row after the fork, not in the prefill), each completion has its own generated
+    rows and the prompt's rows come once; the carrier is steered like its samples."""
+    from tests.engine.test_steering import _vectors
+
+    llm, _ = llms("llama")
+    embeds = np.random.default_rng(3).normal(0, 1, (10, 64)).astype(np.float32)
+    cases = [  # (prompt, extra settings): carrier + forks, embeddings, no carrier
+        (_prompt(20, 13), {"steering_vectors": _vectors(4)}),
+        ({"prompt_embeds": embeds}, {}),
+        ([_prompt(21, 1)[0]], {}),
+    ]
+    base = dict(temperature=1.0, max_tokens=4, ignore_eos=True, return_hidden_states=True)
+    for prompt, extra in cases:
+        params = SamplingParams(n=3, seed=7, **base, **extra)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        singles = llm.generate(
+            [prompt] * 3,
+            [SamplingParams(seed=7 + j, **base, **extra) for j in range(3)],
+            use_tqdm=False,
+        )
+        check_rows(out.prompt_hidden_states, singles[0].prompt_hidden_states, slice(None))
+        assert len(out.outputs) == 3
+        for completion, single in zip(out.outputs, singles):
+            assert completion.token_ids == single.outputs[0].token_ids
+            check_rows(completion.hidden_states, single.outputs[0].hidden_states, slice(None))
+            assert all(rows.shape == (3, 64) for rows in completion.hidden_states.values())
+        assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "samples all alike"
+    assert not llm.engine.activations.requests and not llm.engine.prompt_embeds.requests
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
