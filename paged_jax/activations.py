@@ -108,9 +108,7 @@ class ActivationCapture:
     def add(self, request_id: str, num_prompt_tokens: int) -> None:
         self.requests[request_id] = HiddenStates(self.layers, num_prompt_tokens)
 
-    def fork(
-        self, parent_id: str, child_id: str, num_prompt_tokens: int, num_shared: int
-    ) -> None:
+    def fork(self, parent_id: str, child_id: str, num_prompt_tokens: int, num_shared: int) -> None:
         """Starts a forked child's collector from its parent's rows of the ``num_shared``
         positions they share (a parallel-sampling sample forked from its carrier keeps
         the carrier's prompt rows)."""
