@@ -27,6 +27,8 @@ CHUNKED = dict(
 )
 LAYERS = (0, 1, -1)  # the first layer, the second (the last of a 2-layer model), final norm
 # Rows of magnitude ~1 summed over 64-wide matmuls and 2 layers in f32: ~1e-6 of error.
+# The error grows with the rows' magnitude (Gemma scales its embeddings by sqrt(64) = 8,
+# rows reach ~7: 1.05e-5 seen), so check_rows scales TOL by the largest row value.
 TOL = 1e-5
 # Llama scans its layers (the scan carries the capture buffer); the others run unrolled.
 FAMILIES = {"llama": "on", "qwen3": "off", "gemma2": "off"}  # llama: activations_llm
@@ -101,7 +103,9 @@ def check_rows(got: dict, want: dict, rows: slice) -> None:
     assert sorted(got) == sorted(LAYERS)
     for layer in LAYERS:
         assert got[layer].dtype == np.float32
-        np.testing.assert_allclose(got[layer], want[layer][rows], atol=TOL, rtol=0)
+        ref = want[layer][rows]
+        scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
+        np.testing.assert_allclose(got[layer], ref, atol=TOL * scale, rtol=0)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
