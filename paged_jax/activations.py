@@ -240,7 +240,7 @@ class PromptEmbeds:
         self.embed_dim = embed_dim
         self.requests: dict[str, np.ndarray] = {}  # request id -> f32[P, embed]
 
-    def check(self, prompt_embeds: Any, params: Any) -> np.ndarray:
+    def check(self, prompt_embeds: Any) -> np.ndarray:
         """f32[P, embed] of ``prompt_embeds``; ValueError naming what is wrong."""
         if not self.enabled:
             raise ValueError(

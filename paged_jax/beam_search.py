@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from paged_jax.constants import fail, is_int, is_number
 from paged_jax.core.request import RequestStatus
@@ -294,6 +294,7 @@ class _Live:
     search: BeamSearch
     prompt: list[int]
     request_ids: list[str]  # one engine request per running beam
+    prompt_embeds: Any = None  # f32[len(prompt), hidden] or None (token ids)
     step: int = 0
 
 
@@ -315,6 +316,7 @@ def run_beam_search(
     decode: Callable[[list[int]], str] = lambda ids: "",
     forks: bool = True,
     on_step: Callable[[Engine], None] | None = None,
+    prompt_embeds: Sequence[Any] | None = None,
 ) -> list[BeamSearchOutput]:
     """Runs a beam search per prompt on the engine; returns one output per prompt, in order.
 
@@ -331,6 +333,11 @@ def run_beam_search(
             request of its whole token list that finds its prefix through the
             prefix cache (vLLM V1's LLM.beam_search); for comparison.
         on_step: called after every engine step (memory accounting in studies).
+        prompt_embeds: per prompt, f32[len(prompt), hidden_size] that replaces its
+            tokens' embeddings (EngineConfig.enable_prompt_embeds; the prompt's ids are
+            then placeholders), or None; forked beams share their root's rows, and a
+            beam started afresh (forks=False) passes them as the first rows of its
+            tokens.
 
     If anything raises (a failed engine step, KeyboardInterrupt), the search's live
     requests are aborted before the exception propagates, so the engine is idle again.
@@ -341,6 +348,11 @@ def run_beam_search(
     for i, p in enumerate(prompts):
         if len(p) >= max_len:
             raise ValueError(f"prompts[{i}] has {len(p)} tokens; must be < max_model_len={max_len}")
+    if prompt_embeds is not None and len(prompt_embeds) != len(prompts):
+        raise ValueError(
+            f"len(prompt_embeds)={len(prompt_embeds)} must equal len(prompts)={len(prompts)}"
+        )
+    embeds = list(prompt_embeds) if prompt_embeds is not None else [None] * len(prompts)
     per_round = max(1, (engine.config.max_num_seqs - 1) // params.beam_width)
     outputs: list[BeamSearchOutput | None] = [None] * len(prompts)
     started: list[str] = []  # every request id the search added or forked
@@ -350,7 +362,9 @@ def run_beam_search(
         with engine.synchronous():
             for start in range(0, len(prompts), per_round):
                 batch = range(start, min(len(prompts), start + per_round))
-                _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step, started)
+                _run_round(
+                    engine, prompts, embeds, batch, params, outputs, decode, forks, on_step, started
+                )
     except BaseException:
         for rid in started:
             if engine.is_live(rid):
@@ -359,7 +373,9 @@ def run_beam_search(
     return outputs  # type: ignore[return-value]
 
 
-def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step, started) -> None:
+def _run_round(
+    engine, prompts, embeds, batch, params, outputs, decode, forks, on_step, started
+) -> None:
     """Searches the prompts of one round (indices ``batch``) to the end; every request id
     it adds or forks is appended to ``started``."""
     max_len = engine.config.max_model_len
@@ -377,9 +393,9 @@ def _run_round(engine, prompts, batch, params, outputs, decode, forks, on_step, 
         engine_params = _engine_params(params, search)
         if not forks:
             engine_params = dataclasses.replace(engine_params, max_tokens=1)
-        engine.add_request(rid, prompt, engine_params)
+        engine.add_request(rid, prompt, engine_params, prompt_embeds=embeds[i])
         started.append(rid)
-        live[i] = _Live(search, prompt, [rid])
+        live[i] = _Live(search, prompt, [rid], embeds[i])
     finished: dict[str, list[dict[int, float]]] = {}
     while live:
         for out in engine.step():
@@ -448,5 +464,5 @@ def _start_beam(engine, state, parent, j, beam, params, uid, i, forks) -> str:
         engine_params = _engine_params(params, state.search)
         if not forks:  # vLLM V1: one max_tokens=1 request per beam and step
             engine_params = dataclasses.replace(engine_params, max_tokens=1)
-        engine.add_request(rid, tokens, engine_params)
+        engine.add_request(rid, tokens, engine_params, prompt_embeds=state.prompt_embeds)
     return rid

@@ -249,10 +249,11 @@ class Engine:
 
         ``lora_request`` serves the request with that LoRA adapter (enable_lora engines;
         None: the base model); a bad adapter raises ValueError naming it.
-        ``prompt_embeds`` (f32[len(prompt_token_ids), hidden_size], with
+        ``prompt_embeds`` (f32[E, hidden_size], E <= len(prompt_token_ids), with
         EngineConfig.enable_prompt_embeds) replaces the embedding table's rows of the
-        prompt; ``prompt_token_ids`` are then placeholders (LLM passes zeros) that only
-        the sampler's penalties read.
+        prompt's first E tokens; those ids are then placeholders (LLM passes zeros) that
+        only the sampler's penalties read (beam search restarts a beam as its embedded
+        prompt followed by its tokens).
 
         With ``sampling_params.n > 1`` the request is a parallel-sampling parent: its n
         samples (ids ``f"{request_id}_{j}"``, seeds ``(seed + j) % 2**32``) are forked from
@@ -278,10 +279,10 @@ class Engine:
             self.steering.check(params)
             cache_salt = self.steering.cache_salt(cache_salt, params)
             if prompt_embeds is not None:
-                embeds = self.prompt_embeds.check(prompt_embeds, params)
-                if len(embeds) != len(prompt_token_ids):
+                embeds = self.prompt_embeds.check(prompt_embeds)
+                if len(embeds) > len(prompt_token_ids):
                     raise ValueError(
-                        f"len(prompt_token_ids)={len(prompt_token_ids)} must equal the "
+                        f"len(prompt_token_ids)={len(prompt_token_ids)} must be at least the "
                         f"prompt_embeds rows ({len(embeds)})"
                     )
                 cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)

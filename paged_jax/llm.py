@@ -569,8 +569,10 @@ class LLM:
         """Beam search per prompt (vLLM's LLM.beam_search); beams share KV blocks by forks.
 
         Prompts take the forms generate takes: a string, a list of token ids, a dict
-        with "prompt" and/or "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), or a
-        list of these. Returns one BeamSearchOutput per prompt, in order, whose
+        with "prompt" and/or "prompt_token_ids" (vLLM's TextPrompt / TokensPrompt), a
+        dict with "prompt_embeds" (EngineConfig.enable_prompt_embeds; its sequences'
+        tokens then start with the prompt's placeholder ids, zeros), or a list of these.
+        Returns one BeamSearchOutput per prompt, in order, whose
         ``sequences`` are the beam_width best beams, best first. See
         paged_jax.beam_search for semantics.
 
@@ -582,14 +584,16 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params={params!r} must be a BeamSearchParams")
         vocab_size = self.engine.vocab_size
-        ids = []
+        ids, embeds = [], []
         for i, prompt in enumerate(self._as_prompt_list(prompts)):
-            if isinstance(prompt, Mapping) and "prompt_embeds" in prompt:
-                raise ValueError(f"prompts[{i}]: prompt_embeds are not supported by beam_search")
+            rows = prompt.get("prompt_embeds") if isinstance(prompt, Mapping) else None
             try:
                 _, p = self._prompt_ids(prompt)
+                if rows is not None:  # checked here, so nothing runs on a bad one
+                    rows = self.engine.prompt_embeds.check(rows)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
+            embeds.append(rows)
             if not p or not all(is_int(t) and 0 <= t < vocab_size for t in p):
                 raise ValueError(
                     f"prompts[{i}]={p!r} must be a non-empty list of token ids >= 0 and "
@@ -598,7 +602,13 @@ class LLM:
             ids.append(p)
         with self._locked():
             self._check_awake("beam_search")
-            return run_beam_search(self.engine, ids, params, decode=self.decode)
+            return run_beam_search(
+                self.engine,
+                ids,
+                params,
+                decode=self.decode,
+                prompt_embeds=embeds if any(e is not None for e in embeds) else None,
+            )
 
     def _from_primary(self, *inputs: Any) -> tuple[Any, ...]:
         """The call's inputs as process 0 passed them (itself with one process).

@@ -133,10 +133,28 @@ def test_bad_prompt_embeds_are_value_errors_naming_them(embeds_llms, small_llm):
     assert len(llm.generate([[5, 6, 7]], GREEDY)[0].outputs[0].token_ids) == 4
 
 
-def test_beam_search_refuses_prompt_embeds_by_name(embeds_llms):
+def test_beam_search_with_table_rows_equals_the_token_prompt(embeds_llms):
+    """Beam search over an embedded prompt (the table's rows of a token prompt) finds the
+    token prompt's beams, with forked beams and with every beam started afresh (its
+    embedded prompt followed by its tokens)."""
     from paged_jax import BeamSearchParams
+    from paged_jax.beam_search import run_beam_search
 
-    llm, _ = embeds_llms("llama")
-    rows = np.zeros((3, 64), np.float32)
-    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt_embeds are not supported"):
-        llm.beam_search([{"prompt_embeds": rows}], BeamSearchParams(beam_width=2, max_tokens=2))
+    llm, hf = embeds_llms("llama")
+    prompt = _prompt(8, 11)
+    rows = input_embeddings(hf, prompt)
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    want = llm.beam_search([prompt], params)[0].sequences
+    got = llm.beam_search([{"prompt_embeds": rows}], params)[0].sequences
+    fresh = run_beam_search(
+        llm.engine, [[0] * len(prompt)], params, forks=False, prompt_embeds=[rows]
+    )[0].sequences
+    for seqs in (got, fresh):
+        assert [s.tokens[len(prompt) :] for s in seqs] == [s.tokens[len(prompt) :] for s in want]
+        assert all(s.tokens[: len(prompt)] == [0] * len(prompt) for s in seqs)  # placeholders
+        np.testing.assert_allclose(
+            [s.cum_logprob for s in seqs], [s.cum_logprob for s in want], atol=4 * TOL
+        )
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt_embeds.shape=\(3, 8\)"):
+        llm.beam_search([{"prompt_embeds": np.zeros((3, 8), np.float32)}], params)
+    assert llm.get_stats()["num_compiles_after_warmup"] == 0
