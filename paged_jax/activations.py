@@ -261,11 +261,16 @@ class PromptEmbeds:
         return rows
 
     @staticmethod
-    def cache_salt(cache_salt: str | None, rows: np.ndarray) -> str:
-        """``cache_salt`` with a digest of the embedding bytes: the placeholder token ids
-        of two different embedding prompts never share a cached block."""
-        digest = hashlib.sha256(np.ascontiguousarray(rows, np.float32).tobytes()).hexdigest()
-        return f"{cache_salt or ''}\x00prompt_embeds:{rows.shape[0]}:{digest}"
+    def block_keys(rows: np.ndarray, block_size: int) -> list[bytes]:
+        """Request.block_extra_keys of an embedded prompt: per block, a digest of its
+        rows' bytes (the last block's rows may be fewer). The placeholder token ids of two
+        embedding prompts share a block only when its rows (and, by the hash chain,
+        every row before it) are equal: a shared prefix of rows hits the cache."""
+        data = np.ascontiguousarray(rows, np.float32)
+        return [
+            b"prompt_embeds:" + hashlib.sha256(data[i : i + block_size].tobytes()).digest()
+            for i in range(0, len(data), block_size)
+        ]
 
     def add(self, request_id: str, rows: np.ndarray) -> None:
         self.requests[request_id] = rows

@@ -273,6 +273,7 @@ class Engine:
             )
         adapter_id = None if self.lora is None else self.lora.adapter_id(lora_request)
         embeds = None
+        block_keys: list[bytes] = []
         activations = params.return_hidden_states or params.steering_vectors is not None
         if activations or prompt_embeds is not None:  # paged_jax.activations' components
             self.activations.check(params)
@@ -285,7 +286,7 @@ class Engine:
                         f"len(prompt_token_ids)={len(prompt_token_ids)} must be at least the "
                         f"prompt_embeds rows ({len(embeds)})"
                     )
-                cache_salt = self.prompt_embeds.cache_salt(cache_salt, embeds)
+                block_keys = self.prompt_embeds.block_keys(embeds, self.config.block_size)
         req = new_request(
             request_id,
             prompt_token_ids,
@@ -296,6 +297,7 @@ class Engine:
             priority=priority,
             arrival_time=arrival_time,
             adapter_id=adapter_id,
+            block_extra_keys=block_keys,
         )
         need = self.kv_cache_manager.max_blocks_per_request(
             req.num_prompt_tokens + 1, self.config.max_num_batched_tokens

@@ -71,6 +71,7 @@ class ParallelSampleRequest:
         arrival_time: the parent's arrival (wall-clock seconds).
         priority: the parent's scheduling priority, passed on to its requests.
         cache_salt: the parent's prefix-cache salt, passed on to its requests.
+        block_extra_keys: the parent's per-block hash keys, passed on to its requests.
         prompt_embeds: the parent's prompt embeddings (f32[P, hidden], checked by the
             engine), passed on to its requests; None for a token prompt.
 
@@ -90,6 +91,7 @@ class ParallelSampleRequest:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        block_extra_keys: tuple[bytes, ...] = (),
         prompt_embeds: Any = None,
     ) -> None:
         assert params.n > 1, "an n == 1 request is a plain request, never a parent"
@@ -99,6 +101,7 @@ class ParallelSampleRequest:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.block_extra_keys = block_extra_keys
         self.prompt_embeds = prompt_embeds
         self.samples = [(f"{request_id}_{j}", sample_params(params, j)) for j in range(params.n)]
         self.carrier_id = request_id + CARRIER_SUFFIX if len(self.prompt_token_ids) >= 2 else None
@@ -234,6 +237,7 @@ class ParallelSampling:
             req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            block_extra_keys=req.block_extra_keys,
             prompt_embeds=prompt_embeds,
         )
         for rid in parent.request_ids:
@@ -274,6 +278,7 @@ class ParallelSampling:
             prompt_token_ids,
             params,
             cache_salt=parent.cache_salt,
+            block_extra_keys=parent.block_extra_keys,
             priority=parent.priority,
             arrival_time=arrival_time,
             skip_reading_prefix_cache=prompt is not None and prompt.num_cacheable_tokens == 0,

@@ -32,6 +32,7 @@ _BIG_ENDIAN = sys.byteorder == "big"
 # Tags of the optional extra-key sections (after the token bytes).
 _TAG_ADAPTER = b"A"
 _TAG_SALT = b"S"
+_TAG_BLOCK = b"B"
 
 
 def _sha256_digest(data: bytes) -> bytes:
@@ -112,6 +113,12 @@ def encode_extra_keys(*, adapter_id: int | str | None, cache_salt: str | None) -
     return out
 
 
+def encode_block_key(key: bytes) -> bytes:
+    """Canonical bytes of one block's own extra key (Request.block_extra_keys[i]),
+    appended after encode_extra_keys' sections."""
+    return _section(_TAG_BLOCK, key)
+
+
 def hash_block_tokens(
     parent_hash: BlockHash | None,
     token_ids: list[int],
@@ -160,6 +167,7 @@ class HashedTokens(Protocol):
     all_token_ids: list[int]
     adapter_id: int | str | None
     cache_salt: str | None
+    block_extra_keys: tuple[bytes, ...]
 
 
 class BlockHasher:
@@ -197,6 +205,7 @@ class BlockHasher:
         header = bs.to_bytes(4, "little")
         adapter = encode_extra_keys(adapter_id=request.adapter_id, cache_salt=None)
         salt = request.cache_salt
+        block_keys = request.block_extra_keys
         # One pack for the whole run of new blocks, then slice per block.
         packed = pack_token_ids(token_ids[start_block * bs : end_block * bs])
         step = 8 * bs
@@ -205,6 +214,8 @@ class BlockHasher:
             extra = adapter
             if salt is not None and start_block + i == 0:
                 extra = encode_extra_keys(adapter_id=request.adapter_id, cache_salt=salt)
+            if start_block + i < len(block_keys):
+                extra = extra + encode_block_key(block_keys[start_block + i])
             parent = fn(parent + header + packed[i * step : (i + 1) * step] + extra)
             new_hashes.append(parent)
         return new_hashes

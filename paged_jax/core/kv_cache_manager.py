@@ -556,6 +556,11 @@ class KVCacheManager:
                 f"equal the parent's {(parent.cache_salt, parent.adapter_id)!r}: shared blocks "
                 "carry the parent's hashes"
             )
+        if child.block_extra_keys != parent.block_extra_keys:
+            raise ValueError(
+                f"child={child.request_id!r} must have the parent's block_extra_keys: shared "
+                "blocks carry the parent's hashes"
+            )
         if child.all_token_ids[:num_tokens] != parent.all_token_ids[:num_tokens]:
             raise ValueError(
                 f"child={child.request_id!r} must start with the parent's first {num_tokens} "

@@ -70,6 +70,9 @@ class Request:
         priority: smaller is served first under a priority policy.
         arrival_time: seconds (time.time() when None).
         adapter_id: optional adapter (LoRA) id mixed into every block's hash.
+        block_extra_keys: bytes mixed into block i's hash, for i < len: what a block
+            holds that its token ids do not show (a digest of the prompt embeddings'
+            rows of that block), so two requests share a block only when it matches.
         block_hasher: optional callable that computes new full-block hashes.
         skip_reading_prefix_cache: never start from cached blocks (every prompt
             position runs through the model, as prompt logprobs need); the request's
@@ -93,6 +96,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         adapter_id: int | str | None = None,
+        block_extra_keys: Iterable[bytes] = (),
         block_hasher: BlockHasherFn | None = None,
         skip_reading_prefix_cache: bool = False,
         max_cache_hit_tokens: int | None = None,
@@ -121,6 +125,11 @@ class Request:
             isinstance(adapter_id, bool) or not isinstance(adapter_id, (int, str))
         ):
             raise ValueError(f"adapter_id={adapter_id!r} must be an int, a str or None")
+        block_extra_keys = tuple(block_extra_keys)
+        if not all(isinstance(k, bytes) for k in block_extra_keys):
+            raise ValueError(
+                f"block_extra_keys={block_extra_keys!r} must be a sequence of bytes (one per block)"
+            )
 
         self.request_id = request_id
         self.prompt_token_ids = ids
@@ -131,6 +140,7 @@ class Request:
         self.priority = priority
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.adapter_id = adapter_id
+        self.block_extra_keys = block_extra_keys
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
@@ -243,6 +253,7 @@ class Request:
             priority=self.priority,
             arrival_time=self.arrival_time,
             adapter_id=self.adapter_id,
+            block_extra_keys=self.block_extra_keys,
         )
         outputs = list(self.output_token_ids if output_token_ids is None else output_token_ids)
         if outputs:
@@ -289,6 +300,7 @@ def new_request(
     priority: int = 0,
     arrival_time: float | None = None,
     adapter_id: int | str | None = None,
+    block_extra_keys: Iterable[bytes] = (),
 ) -> Request:
     """A new request checked against the model (what fork_child checks for a fork): its
     token ids < vocab_size and its prompt < max_model_len, leaving room for at least one
@@ -305,6 +317,7 @@ def new_request(
         priority=priority,
         arrival_time=arrival_time,
         adapter_id=adapter_id,
+        block_extra_keys=block_extra_keys,
     )
     _check_vocab(req.prompt_token_ids, vocab_size, "prompt_token_ids")
     if req.num_prompt_tokens >= max_model_len:
@@ -346,6 +359,7 @@ def fork_child(
             cache_salt=parent.cache_salt,
             priority=parent.priority,
             arrival_time=parent.arrival_time,
+            block_extra_keys=parent.block_extra_keys,
         )
         if output_token_ids:
             child.append_output_token_ids(list(output_token_ids))

@@ -15,6 +15,7 @@ from paged_jax import Request
 from paged_jax.core.hashing import (
     NONE_HASH,
     BlockHasher,
+    encode_block_key,
     encode_extra_keys,
     hash_block_tokens,
     none_hash,
@@ -116,6 +117,23 @@ def test_cache_salt_goes_into_the_first_block_only_and_adapter_into_every_block(
     assert encode_extra_keys(adapter_id=1, cache_salt=None) != encode_extra_keys(
         adapter_id="1", cache_salt=None
     )
+
+
+def test_block_extra_keys_enter_their_own_block_and_chain_on():
+    """Block i's own key (prompt embeddings' rows digest) joins block i's hash only;
+    blocks past the keys hash their tokens alone, and the chain carries every key."""
+    tokens = list(range(12))
+    keyed = Request("k", tokens, block_extra_keys=[b"r0", b"r1"], block_hasher=BlockHasher(4))
+    h0 = hash_block_tokens(None, tokens[:4], encode_block_key(b"r0"))
+    h1 = hash_block_tokens(h0, tokens[4:8], encode_block_key(b"r1"))
+    assert keyed.block_hashes == [h0, h1, hash_block_tokens(h1, tokens[8:])]
+    other = Request("o", tokens, block_extra_keys=[b"r0", b"x1"], block_hasher=BlockHasher(4))
+    assert other.block_hashes[0] == h0 and other.block_hashes[1:] != keyed.block_hashes[1:]
+    plain = Request("p", tokens, block_hasher=BlockHasher(4)).block_hashes
+    assert plain[0] != h0  # a keyed block never meets the token-only block
+    assert keyed.fork("c").block_extra_keys == (b"r0", b"r1")
+    with pytest.raises(ValueError, match=r"block_extra_keys=\('r0',\) must be a sequence of bytes"):
+        Request("bad", tokens, block_extra_keys=["r0"])
 
 
 def test_unknown_algorithm_and_bad_block_size_raise():

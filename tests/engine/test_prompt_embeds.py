@@ -5,7 +5,8 @@ scaled for Gemma) must give the token-id prompt's tokens; arbitrary
 rows must equal transformers' ``inputs_embeds`` (greedy tokens, logprobs within 1e-4),
 for Llama and Gemma 2,
 mixed with ordinary prompts in one batch and prefilled over several steps. Prefix caching
-hashes the embedding bytes. Nothing compiles after warm-up.
+hashes each block's embedding bytes (a shared prefix of rows hits). Nothing compiles after
+warm-up.
 """
 
 from __future__ import annotations
@@ -115,6 +116,21 @@ def test_prefix_caching_hashes_the_embedding_bytes(embeds_llms):
     assert llm.generate([[0] * 12], params)[0].metrics.num_cached_tokens == 0
     again = llm.generate({"prompt_embeds": a.copy()}, params)[0]
     assert again.metrics.num_cached_tokens == 8  # its own full blocks, the last token recomputed
+    # Each block hashes its own rows: a prompt sharing a's first 9 rows hits its first two
+    # blocks (8 tokens), and gives what it gives with nothing cached.
+    c = np.concatenate([a[:9], rng.normal(0, 1, (5, 64)).astype(np.float32)])
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
+    hit = llm.generate({"prompt_embeds": c}, greedy)[0]
+    assert hit.metrics.num_cached_tokens == 8
+    assert llm.engine.kv_cache_manager.reset_prefix_cache()
+    cold = llm.generate({"prompt_embeds": c}, greedy)[0]
+    assert cold.metrics.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+    np.testing.assert_allclose(
+        [next(iter(e.values())).logprob for e in hit.outputs[0].logprobs],
+        [next(iter(e.values())).logprob for e in cold.outputs[0].logprobs],
+        atol=TOL,
+    )
     assert llm.get_stats()["num_compiles_after_warmup"] == 0
 
 
