@@ -45,6 +45,18 @@ def _power_of_two_buckets(smallest: int, largest: int, coarse_up_to: int = 0) ->
     return tuple(buckets)
 
 
+# Why each activation option refuses speculative decoding (docs/research_integration.md,
+# "Activations", limits).
+_NOT_WITH_SPEC = {
+    "hidden_state_layers": "a verify step runs draft tokens that may be rejected, and "
+    "capture keeps rows by position: the rejected rows would need rolling back; not built",
+    "steering_layers": "the proposer (n-gram or draft model) and the verify step run "
+    "without the steering rows; not built",
+    "enable_prompt_embeds": "a draft model would read its own table for placeholder ids, "
+    "and the verify step carries no embedding rows; not built",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine settings; the field names are also the keyword arguments of `LLM(...)`.
@@ -318,9 +330,13 @@ class EngineConfig:
             ):
                 fail(self, name, what)
             if layers and self.speculative_config is not None:
-                fail(self, name, "() with speculative_config (not supported yet)")
+                fail(self, name, f"() with speculative_config ({_NOT_WITH_SPEC[name]})")
         if self.enable_prompt_embeds and self.speculative_config is not None:
-            fail(self, "enable_prompt_embeds", "False with speculative_config (not supported yet)")
+            fail(
+                self,
+                "enable_prompt_embeds",
+                f"False with speculative_config ({_NOT_WITH_SPEC['enable_prompt_embeds']})",
+            )
 
     def fitted_to(self, max_position_embeddings: int) -> EngineConfig:
         """This config as an engine over a model with ``max_position_embeddings`` runs it:

@@ -201,6 +201,17 @@ def test_bad_hidden_state_layers_name_the_field(layers):
         EngineConfig(hidden_state_layers=layers)
 
 
+def test_activation_options_refuse_speculative_decoding_with_the_reason():
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    for field, value, reason in (
+        ("hidden_state_layers", (0,), "rejected rows would need rolling back"),
+        ("steering_layers", (0,), "run without the steering rows"),
+        ("enable_prompt_embeds", True, "carries no embedding rows"),
+    ):
+        with pytest.raises(ValueError, match=rf"EngineConfig.{field}=.* must be .*{reason}"):
+            EngineConfig(speculative_config=spec, **{field: value})
+
+
 def test_a_layer_past_the_model_is_refused_by_name(tiny_hf_checkpoint):
     with pytest.raises(ValueError, match=r"hidden_state_layers entry 2 must be in \[-1, 2\)"):
         LLM(str(tiny_hf_checkpoint("llama")), hidden_state_layers=(2,), **CHUNKED)
