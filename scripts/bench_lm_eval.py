@@ -46,10 +46,10 @@ MODEL_SHAPE = dict(
     max_position_embeddings=1024,
     vocab_size=259,
 )
-# An 85M random model's f32 logprobs (|logprob| ~9) each carry up to ~2e-4 of rounding
-# against a float64 forward (paged-jax; the hf backend ~7e-5: f32_error measures both), so
-# two f32 implementations may differ by their sum per scored token, and a document's sum
-# by that times its tokens.
+# The 85M random model's f32 logprobs (|logprob| ~9) each carry up to ~2e-4 of rounding
+# against a float64 forward (f32_error measured paged-jax 1.9e-4, the hf backend 1.3e-4,
+# 1.7e-4 between the two; docs/lm_eval_speed.json), so a loglikelihood summed over n
+# tokens may differ by up to n times the per-token bound, below the two errors' sum.
 TOLERANCE_PER_TOKEN = 3e-4
 
 
