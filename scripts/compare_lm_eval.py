@@ -15,7 +15,6 @@ import json
 import pathlib
 import tempfile
 
-TASKS = ["pj_mc", "pj_rolling", "pj_gen"]
 MAX_LENGTH = 64
 ENGINE_ARGS = dict(
     block_size=4, max_num_seqs=8, max_num_batched_tokens=64, attention_backend="reference"
@@ -23,11 +22,12 @@ ENGINE_ARGS = dict(
 
 
 def compare(family: str, tasks_dir: pathlib.Path) -> dict:
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
     from paged_jax.lm_eval import PagedJaxLM
-    from paged_jax.testing.lm_eval_tasks import save_byte_tokenizer
+    from paged_jax.testing.lm_eval_tasks import (
+        evaluate_local_tasks,
+        per_document,
+        save_byte_tokenizer,
+    )
     from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint
 
     path = pathlib.Path(tempfile.mkdtemp(prefix=f"compare_lm_eval_{family}_"))
@@ -35,39 +35,28 @@ def compare(family: str, tasks_dir: pathlib.Path) -> dict:
     save_byte_tokenizer(path)
 
     def run(model, model_args=None):
-        return simple_evaluate(
-            model=model,
-            model_args=model_args,
-            tasks=TASKS,
-            task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-            batch_size=8,
-            device="cpu",
-            log_samples=True,
-            bootstrap_iters=0,
-        )
+        return evaluate_local_tasks(model, tasks_dir, model_args=model_args, batch_size=8)
 
     hf = run("hf", {"pretrained": str(path), "dtype": "float32", "max_length": MAX_LENGTH})
     lm = PagedJaxLM(pretrained=str(path), dtype="float32", max_model_len=MAX_LENGTH, **ENGINE_ARGS)
     ours = run(lm)
 
-    def docs(results, task):
-        rows = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-        return [s["filtered_resps"] for s in rows]
-
     mc = max(
         abs(a[0] - b[0])
-        for x, y in zip(docs(hf, "pj_mc"), docs(ours, "pj_mc"), strict=True)
+        for x, y in zip(per_document(hf, "pj_mc"), per_document(ours, "pj_mc"), strict=True)
         for a, b in zip(x, y, strict=True)
     )
     rolling = max(
         abs(x[0] - y[0])
-        for x, y in zip(docs(hf, "pj_rolling"), docs(ours, "pj_rolling"), strict=True)
+        for x, y in zip(
+            per_document(hf, "pj_rolling"), per_document(ours, "pj_rolling"), strict=True
+        )
     )
     return {
         "family": family,
         "max_abs_diff_mc": mc,
         "max_abs_diff_rolling": rolling,
-        "generations_identical": docs(hf, "pj_gen") == docs(ours, "pj_gen"),
+        "generations_identical": per_document(hf, "pj_gen") == per_document(ours, "pj_gen"),
         "acc_hf": hf["results"]["pj_mc"]["acc,none"],
         "acc_paged_jax": ours["results"]["pj_mc"]["acc,none"],
         "prefix_cache_hit_rate": lm.llm.get_stats()["prefix_cache_hit_rate"],

@@ -1,7 +1,8 @@
 """Documents of the local lm-eval tasks (tests/lm_eval/tasks/*.yaml): seeded, word-like text.
 
-The tests ship small files made here; scripts/bench_lm_eval.py writes larger ones. Pure
-Python (no jax, no lm-eval).
+The tests ship small files made here; scripts/bench_lm_eval.py writes larger ones.
+evaluate_local_tasks runs lm-eval on them (the tests' and the scripts' one call). Pure
+Python: lm-eval and transformers are imported only by the functions that need them.
 
     python -c "from paged_jax.testing.lm_eval_tasks import write_task_data as w; \
 w('tests/lm_eval/tasks', num_mc=6, num_rolling=3, num_gen=6)"
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+from typing import Any
 
 WORDS = [
     "the",
@@ -62,6 +64,7 @@ WORDS = [
     "child",
 ]
 NUM_CHOICES = 4
+TASK_NAMES = ("pj_mc", "pj_rolling", "pj_gen")
 
 
 def _sentence(rng: random.Random, num_words: int) -> str:
@@ -118,3 +121,50 @@ def save_byte_tokenizer(directory: str | pathlib.Path) -> None:
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     ).save_pretrained(directory)
+
+
+def evaluate_local_tasks(
+    model: Any,
+    tasks_dir: str | pathlib.Path,
+    *,
+    model_args: dict[str, Any] | None = None,
+    batch_size: int | str = 8,
+    data_dir: str | pathlib.Path | None = None,
+    log_samples: bool = True,
+) -> dict[str, Any]:
+    """lm-eval's simple_evaluate of the three local tasks (TASK_NAMES) on CPU.
+
+    Args:
+        model: an lm-eval model name ("hf", "paged-jax") or an ``LM`` instance.
+        tasks_dir: the folder of the tasks' yaml files (tests/lm_eval/tasks); only it is
+            loaded (``include_defaults=False``: nothing is downloaded).
+        model_args: the model's arguments when ``model`` is a name.
+        batch_size: lm-eval's batch size.
+        data_dir: read the tasks' jsonl files from this folder instead of tasks_dir.
+        log_samples: keep the per-document samples (per_document reads them).
+
+    Returns:
+        simple_evaluate's results (no bootstrap: stderrs are not computed).
+    """
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    metadata = None if data_dir is None else {"data_dir": str(data_dir)}
+    manager = TaskManager(include_path=str(tasks_dir), include_defaults=False, metadata=metadata)
+    return simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=list(TASK_NAMES),
+        task_manager=manager,
+        batch_size=batch_size,
+        device="cpu",
+        log_samples=log_samples,
+        bootstrap_iters=0,
+    )
+
+
+def per_document(results: dict[str, Any], task: str) -> list[list[Any]]:
+    """One task's filtered responses in document order: pj_mc [[loglikelihood, is_greedy]
+    per choice], pj_rolling [loglikelihood], pj_gen [text]."""
+    rows = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+    return [s["filtered_resps"] for s in rows]

@@ -19,8 +19,13 @@ pytest.importorskip("lm_eval.evaluator", reason="needs lm-eval: pip install 'pag
 pytest.importorskip("torch", reason="the hf backend needs torch")
 pytest.importorskip("transformers", reason="the hf backend needs transformers")
 
+from paged_jax.testing.lm_eval_tasks import (  # noqa: E402  (after the skips)
+    TASK_NAMES,
+    evaluate_local_tasks,
+    per_document,
+)
+
 TASKS_DIR = pathlib.Path(__file__).parent / "tasks"
-TASKS = ["pj_mc", "pj_rolling", "pj_gen"]
 MAX_LENGTH = 64  # lm-eval's window: hf's max_length, paged-jax's max_model_len
 # A summed loglikelihood adds up to ~170 f32 terms of magnitude <= 10: 1e-4 bounds it.
 LOGLIK_TOL = 1e-4
@@ -44,24 +49,7 @@ def byte_checkpoint(tiny_hf_checkpoint, tmp_path_factory, family: str) -> pathli
 
 
 def evaluate(model, model_args=None):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    return simple_evaluate(
-        model=model,
-        model_args=model_args,
-        tasks=TASKS,
-        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
-        batch_size=8,
-        device="cpu",
-        log_samples=True,
-        bootstrap_iters=0,
-    )
-
-
-def per_doc(results, task: str) -> list:
-    samples = sorted(results["samples"][task], key=lambda s: s["doc_id"])
-    return [s["filtered_resps"] for s in samples]
+    return evaluate_local_tasks(model, TASKS_DIR, model_args=model_args, batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +80,7 @@ def runs(tiny_hf_checkpoint, tmp_path_factory):
 def test_paged_jax_equals_the_hf_backend(runs, family):
     hf, ours, lm = runs(family)
     # Multiple choice: every choice's (loglikelihood, is_greedy).
-    for want, got in zip(per_doc(hf, "pj_mc"), per_doc(ours, "pj_mc"), strict=True):
+    for want, got in zip(per_document(hf, "pj_mc"), per_document(ours, "pj_mc"), strict=True):
         assert len(got) == len(want) == 4
         for (w_ll, w_greedy), (g_ll, g_greedy) in zip(want, got):
             assert g_ll == pytest.approx(w_ll, abs=LOGLIK_TOL)
@@ -100,17 +88,19 @@ def test_paged_jax_equals_the_hf_backend(runs, family):
     # Rolling: one loglikelihood per document over windows of MAX_LENGTH tokens.
     rolling_docs = [s["doc"]["text"] for s in ours["samples"]["pj_rolling"]]
     assert min(len(text) for text in rolling_docs) > 2 * MAX_LENGTH, "several windows each"
-    for want, got in zip(per_doc(hf, "pj_rolling"), per_doc(ours, "pj_rolling"), strict=True):
+    for want, got in zip(
+        per_document(hf, "pj_rolling"), per_document(ours, "pj_rolling"), strict=True
+    ):
         assert got == pytest.approx(want, abs=LOGLIK_TOL)
     # Generation: the same greedy text, cut at the same stop strings.
-    gens = per_doc(ours, "pj_gen")
-    assert gens == per_doc(hf, "pj_gen")
+    gens = per_document(ours, "pj_gen")
+    assert gens == per_document(hf, "pj_gen")
     gens = [text for resp in gens for text in resp]
     assert len(gens) == 6
     assert any(len(lm.tok_encode(g, add_special_tokens=False)) < 12 for g in gens), (
         f"no generation was cut by a stop string: the task does not test them: {gens!r}"
     )
-    for task in TASKS:
+    for task in TASK_NAMES:
         want, got = hf["results"][task], ours["results"][task]
         for key, value in want.items():
             if key == "alias" or key.endswith("_stderr,none"):
