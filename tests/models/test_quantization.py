@@ -20,6 +20,7 @@ from flax import nnx
 
 from paged_jax.models import load_model
 from paged_jax.models.quantization import (
+    QuantizedEmbed,
     QuantizedExperts,
     QuantizedLinear,
     dequantize,
@@ -32,16 +33,19 @@ IDS = np.array([[1, 5, 9, 20, 33, 7, 64, 100], [3, 3, 90, 12, 4, 77, 18, 2]], np
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantized_weights(hf_model):
+def _quantized_weights(hf_model, embeddings=False):
     """(module name, weight f[..., out, in]) of every weight the rule quantizes: the
     projections' nn.Linear weights, and transformers' fused MoE experts (gate_up_proj
-    f[E, 2F, D], down_proj f[E, D, F]: rows are output channels, as in nn.Linear)."""
+    f[E, 2F, D], down_proj f[E, D, F]: rows are output channels, as in nn.Linear); with
+    `embeddings`, the token embedding f[V, D] and an untied lm_head f[V, D] (a tied head
+    is the embedding's parameter, listed once): rows are vocab entries."""
     for name, param in hf_model.named_parameters():
         module, leaf = name.rsplit(".", 1)
         linear = leaf == "weight" and module.split(".")[-1] in LINEARS
         fused = module.endswith(".experts") and leaf in ("gate_up_proj", "down_proj")
-        if ".layers." in name and (linear or fused):
-            yield (module if linear else name), param
+        table = embeddings and module.split(".")[-1] in ("embed_tokens", "lm_head")
+        if (".layers." in name and (linear or fused)) or table:
+            yield (module if linear or table else name), param
 
 
 def _rule_dequantized(weight, method):
@@ -60,7 +64,7 @@ def _rule_dequantized(weight, method):
     return q * scale[..., None]
 
 
-def _hf_logits_with(path, replace):
+def _hf_logits_with(path, replace, embeddings=False):
     import torch
     import transformers
 
@@ -68,7 +72,7 @@ def _hf_logits_with(path, replace):
         path, attn_implementation="eager", dtype=torch.float32
     ).eval()
     with torch.no_grad():
-        for name, weight in list(_quantized_weights(model)):
+        for name, weight in list(_quantized_weights(model, embeddings)):
             weight.copy_(replace(name, weight))
         return model(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
 
@@ -395,3 +399,34 @@ def test_block_scales_must_split_on_block_edges(block_fp8_checkpoint):
     check_block_sharding(rules, partition, 8, 2)
     with pytest.raises(ValueError, match=r"k_proj.weight \[32, 64\] splits a dim of 32 .* 2 x"):
         check_block_sharding(rules, partition, 32, 2)
+
+
+@pytest.mark.parametrize("family, method", [("llama", "int8"), ("gemma2", "fp8")])
+def test_quantized_embeddings_equal_dequantized_transformers(tiny_hf_checkpoint, family, method):
+    """quantize_embeddings: the embedding table (and an untied head) 8-bit too, one scale
+    per vocab row. Llama's head is untied (its own QuantizedLinear); Gemma 2 ties it, so
+    its one 8-bit table serves the scaled lookup and the soft-capped head."""
+    from paged_jax.models.quantized_model import quantize_model
+
+    path = tiny_hf_checkpoint(family)
+    model = load_model(path, quantization=method, quantize_embeddings=True)
+    vocab = model.config.vocab_size
+    table = model.embed_tokens
+    assert isinstance(table, QuantizedEmbed) and table.scale[...].shape == (vocab,)
+    assert str(table.qembedding[...].dtype) == ("int8" if method == "int8" else "float8_e4m3fn")
+    if family == "llama":
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.scale[...].shape == (
+            vocab,
+        )
+    else:
+        assert model.lm_head is None  # tied: the one table
+    want = _hf_logits_with(path, lambda _name, w: _rule_dequantized(w, method), embeddings=True)
+    got = np.asarray(model(IDS))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # The embedding's quantization shows: the layers-only model is off the reference.
+    assert np.abs(np.asarray(load_model(path, quantization=method)(IDS)) - want).max() > 1e-3
+    # An in-memory model (LLM(model=..., quantization=..., quantize_embeddings=True)).
+    copy = quantize_model(load_model(path), method, embeddings=True)
+    np.testing.assert_allclose(np.asarray(copy(IDS)), got, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"quantize_embeddings=True needs quantization"):
+        load_model(path, quantize_embeddings=True)
