@@ -151,9 +151,7 @@ def weight_quantization(
             f"quantization='int8' cannot apply to {source}: its weights are already fp8 "
             "(quant_method 'fp8'); pass quantization=None or 'fp8'"
         )
-    return WeightQuantization(
-        FP8_METHOD, block_size=int(block[0]), embeddings=quantize_embeddings
-    )
+    return WeightQuantization(FP8_METHOD, block_size=int(block[0]), embeddings=quantize_embeddings)
 
 
 def block_fp8_weight_rules(

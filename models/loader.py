@@ -394,9 +394,7 @@ def check_model_dir(
     cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
     names = _checked_names(checkpoint, cls, config, path)
-    names, rules, _, _ = _weight_table(
-        path, cls, config, names, quantization, quantize_embeddings
-    )
+    names, rules, _, _ = _weight_table(path, cls, config, names, quantization, quantize_embeddings)
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )

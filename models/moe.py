@@ -273,7 +273,8 @@ def expert_forward(
 
     With every expert local (first_expert 0) this is the whole routed MLP; a device of an
     expert-parallel mesh passes its first expert and the psum adds the devices' parts.
-    `matmul` picks the grouped matmul (EXPERT_MATMULS); both give the same rows.
+    `matmul` picks the grouped matmul (EXPERT_MATMULS); both give the same rows. Block-wise
+    fp8 experts always take the tiles (one dequantized expert matrix at a time).
     """
     if matmul not in EXPERT_MATMULS:
         raise ValueError(f"matmul={matmul!r}: expected one of {EXPERT_MATMULS}")

@@ -323,9 +323,7 @@ class QuantizedEmbed(nnx.Module):
         self.method = method
         self.dtype = dtype
         self.precision = matmul_precision(dtype)
-        self.qembedding = nnx.Param(
-            jnp.zeros((num_embeddings, features), QUANTIZED_DTYPES[method])
-        )
+        self.qembedding = nnx.Param(jnp.zeros((num_embeddings, features), QUANTIZED_DTYPES[method]))
         self.scale = nnx.Param(jnp.ones((num_embeddings,), jnp.float32))
 
     def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> f[..., embed]

@@ -129,7 +129,7 @@ def replace_linears(
         in_features, out_features = old.in_features, old.out_features
         blocks = None if tuple(path) in EMBEDDING_PATHS else block_size
 
-        def build(i=in_features, o=out_features, b=old.bias is not None):
+        def build(i=in_features, o=out_features, b=old.bias is not None, blocks=blocks):
             return QuantizedLinear(i, o, method=method, bias=b, dtype=dtype, block_size=blocks)
 
         setattr(parent, name, nnx.eval_shape(build) if abstract else build())
