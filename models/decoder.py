@@ -24,6 +24,7 @@ from paged_jax.models.attention import Attention, AttentionMetadata, KVCache
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.kv_layout import KVCacheLayout, kv_cache_layout
 from paged_jax.models.layers import GatedMLP, RMSNorm, linear, matmul_precision
+from paged_jax.models.quantization import QuantizedEmbed
 
 
 class DecoderLayer(nnx.Module):
@@ -237,7 +238,9 @@ class CausalLM(nnx.Module):
             x = self.final_norm(x)
         if self.project_out is not None:
             x = self.project_out(x)
-        if self.lm_head is None:
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbed):
+            logits = self.embed_tokens.attend(x)  # the 8-bit table serves the head too
+        elif self.lm_head is None:
             # "...e,ve->...v": x's last dim against the embedding's dim 1.
             logits = self.head_dot_general(
                 x,

@@ -32,7 +32,11 @@ import numpy as np
 from paged_jax.constants import QUANTIZATIONS, cdiv
 from paged_jax.models.partitioning import PartitionRules, logical_axes
 from paged_jax.models.quantization import EXPERT_PROJECTIONS
-from paged_jax.models.quantized_model import quantized_partition_rules, quantized_weight_rules
+from paged_jax.models.quantized_model import (
+    EMBEDDING_PATHS,
+    quantized_partition_rules,
+    quantized_weight_rules,
+)
 from paged_jax.models.weights import WeightRule
 
 # What a fine-grained fp8 checkpoint's quantization_config may hold (transformers'
@@ -51,10 +55,13 @@ class WeightQuantization:
         method: "int8" or "fp8" (the stored 8-bit format).
         block_size: b of a block-wise fp8 checkpoint (scales per b x b tile, read from
             the checkpoint); None: per-channel scales computed on load by the rule.
+        embeddings: the token embedding and an untied LM head quantized on load too, per
+            channel by the rule, whatever block_size is (EngineConfig.quantize_embeddings).
     """
 
     method: str
     block_size: int | None = None
+    embeddings: bool = False
 
     @property
     def prequantized(self) -> bool:
@@ -66,7 +73,10 @@ class WeightQuantization:
         """The loader's table: quantized layers read q and scale (see module docstring)."""
         if not self.prequantized:
             return quantized_weight_rules(rules, paths, self.method)
-        return block_fp8_weight_rules(rules, paths, self.block_size)
+        heads = [p for p in paths if tuple(p) in EMBEDDING_PATHS]  # per channel, on load
+        layers = [p for p in paths if tuple(p) not in EMBEDDING_PATHS]
+        rules = block_fp8_weight_rules(rules, layers, self.block_size)
+        return quantized_weight_rules(rules, heads, self.method) if heads else rules
 
     def partition_rules(self, rules: PartitionRules) -> PartitionRules:
         return quantized_partition_rules(rules, block_scales=self.prequantized)
@@ -79,7 +89,10 @@ class WeightQuantization:
 
 
 def weight_quantization(
-    hf: Mapping[str, Any], quantization: str | None, source: str
+    hf: Mapping[str, Any],
+    quantization: str | None,
+    source: str,
+    quantize_embeddings: bool = False,
 ) -> WeightQuantization | None:
     """The WeightQuantization of a load (module docstring), or None for float weights.
 
@@ -87,17 +100,29 @@ def weight_quantization(
         hf: the checkpoint's config.json.
         quantization: EngineConfig.quantization (None, "int8" or "fp8").
         source: the config file, for error messages.
+        quantize_embeddings: EngineConfig.quantize_embeddings (needs `quantization`).
 
     Raises:
         ValueError: an unsupported quantization_config (naming quant_method and the
-            methods served), a block shape other than [b, b], or int8 asked of an fp8
-            checkpoint.
+            methods served), a block shape other than [b, b], int8 asked of an fp8
+            checkpoint, or quantize_embeddings without quantization.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} must be None or one of {QUANTIZATIONS}")
+    if quantize_embeddings not in (False, True):
+        raise ValueError(f"quantize_embeddings={quantize_embeddings!r} must be a bool")
+    if quantize_embeddings and quantization is None:
+        raise ValueError(
+            "quantize_embeddings=True needs quantization='int8' | 'fp8' (the format of the "
+            "8-bit embedding and LM head); got quantization=None"
+        )
     qc = hf.get("quantization_config")
     if qc is None:
-        return None if quantization is None else WeightQuantization(quantization)
+        return (
+            None
+            if quantization is None
+            else WeightQuantization(quantization, embeddings=quantize_embeddings)
+        )
     if not isinstance(qc, Mapping):
         raise ValueError(f"{source}: quantization_config={qc!r:.80} must be an object")
     method = qc.get("quant_method")
@@ -126,7 +151,7 @@ def weight_quantization(
             f"quantization='int8' cannot apply to {source}: its weights are already fp8 "
             "(quant_method 'fp8'); pass quantization=None or 'fp8'"
         )
-    return WeightQuantization(FP8_METHOD, block_size=int(block[0]))
+    return WeightQuantization(FP8_METHOD, block_size=int(block[0]), embeddings=quantize_embeddings)
 
 
 def block_fp8_weight_rules(
@@ -176,8 +201,8 @@ def check_block_sharding(
         ValueError: naming the tensor whose split dim is not a multiple of tp * b.
     """
     for rule in rules:
-        if rule.param_path[-1] != "qweight":
-            continue
+        if rule.param_path[-1] != "qweight" or tuple(rule.param_path[:-1]) in EMBEDDING_PATHS:
+            continue  # the LM head's scales are per channel: any split keeps them whole
         axes = logical_axes(partition_rules, rule.param_path)
         kernel_shape = tuple(reversed(rule.hf_shape))  # f8[out, in] -> qweight [in, out]
         for axis, size in zip(axes, kernel_shape):

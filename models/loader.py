@@ -177,7 +177,12 @@ def abstract_model(
         lambda: cls(config, rngs=nnx.Rngs(0), attention_backend=attention_backend)
     )
     if quantization is not None:
-        replace_linears(model, quantization.method, block_size=quantization.block_size)
+        replace_linears(
+            model,
+            quantization.method,
+            block_size=quantization.block_size,
+            embeddings=quantization.embeddings,
+        )
     return nnx.split(model)
 
 
@@ -342,6 +347,7 @@ def _weight_table(
     config: ModelConfig,
     names: dict[str, str],
     quantization: str | None,
+    quantize_embeddings: bool = False,
 ) -> tuple[dict[str, str], list[WeightRule], Any, WeightQuantization | None]:
     """(names, weight rules, partition rules, WeightQuantization or None) of a load:
     the family's tables, turned 8-bit where the load quantizes (models/fp8_checkpoint.py).
@@ -349,7 +355,9 @@ def _weight_table(
     Raises:
         ValueError: an unsupported quantization_config, naming quant_method.
     """
-    quant = weight_quantization(read_hf_config(path)[0], quantization, str(path / "config.json"))
+    quant = weight_quantization(
+        read_hf_config(path)[0], quantization, str(path / "config.json"), quantize_embeddings
+    )
     rules = cls.weight_rules(config)
     partition_rules = cls.partition_rules
     if quant is None:
@@ -357,11 +365,11 @@ def _weight_table(
     if quant.prequantized:  # static activation scales: not applied (W8A16)
         names = {n: k for n, k in names.items() if not ACTIVATION_SCALE_KEY.search(k)}
     state = abstract_model(cls, config, "reference", quant)[1]
-    # The 8-bit modules: linears (a "qweight") and MoE experts ("gate_proj_scale", ...).
+    # The 8-bit modules: linears (a "qweight"), MoE experts ("gate_proj_scale", ...) and
+    # an embedding ("qembedding").
     leaves = [p for p, _ in nnx.to_flat_state(state)]
-    paths = list(
-        dict.fromkeys(p[:-1] for p in leaves if str(p[-1]).endswith(("qweight", "_scale")))
-    )
+    eight_bit = ("qweight", "_scale", "qembedding")
+    paths = list(dict.fromkeys(p[:-1] for p in leaves if str(p[-1]).endswith(eight_bit)))
     rules = quant.weight_rules(rules, paths)
     if partition_rules is not None:
         partition_rules = quant.partition_rules(partition_rules)
@@ -369,7 +377,10 @@ def _weight_table(
 
 
 def check_model_dir(
-    path: str | pathlib.Path, dtype: str = "float32", quantization: str | None = None
+    path: str | pathlib.Path,
+    dtype: str = "float32",
+    quantization: str | None = None,
+    quantize_embeddings: bool = False,
 ) -> ModelConfig:
     """Everything load_model checks, without reading a tensor or building the model.
 
@@ -383,7 +394,7 @@ def check_model_dir(
     cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
     names = _checked_names(checkpoint, cls, config, path)
-    names, rules, _, _ = _weight_table(path, cls, config, names, quantization)
+    names, rules, _, _ = _weight_table(path, cls, config, names, quantization, quantize_embeddings)
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )
@@ -436,6 +447,7 @@ def load_model(
     attention_backend: str = "auto",
     mesh: Mesh | None = None,
     quantization: str | None = None,
+    quantize_embeddings: bool = False,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint directory (config.json + *.safetensors).
 
@@ -452,6 +464,9 @@ def load_model(
             while read, one scale per output channel, stored 8-bit on the device. A
             block-wise fp8 checkpoint (quantization_config quant_method "fp8") is kept
             8-bit with its block scales whatever this says (models/fp8_checkpoint.py).
+        quantize_embeddings: also the token embedding (one scale per row; a tied head
+            shares it) and an untied LM head (one scale per vocab column), by the same
+            rule; needs `quantization`.
 
     Returns:
         The model; `model(input_ids)` is the dense forward, `model.config` its ModelConfig.
@@ -467,7 +482,9 @@ def load_model(
     cls, config = family_config(path, dtype)
     checkpoint = SafetensorsCheckpoint(path)
     names = _checked_names(checkpoint, cls, config, path)
-    names, rules, partition_rules, quant = _weight_table(path, cls, config, names, quantization)
+    names, rules, partition_rules, quant = _weight_table(
+        path, cls, config, names, quantization, quantize_embeddings
+    )
     check_checkpoint(
         rules, {name: checkpoint.shapes[key] for name, key in names.items()}, str(path)
     )

@@ -49,7 +49,7 @@ from paged_jax.models.config import ModelConfig
 from paged_jax.models.decoder import DecoderLayer
 from paged_jax.models.layers import GatedMLP, activation, linear, matmul_precision
 from paged_jax.models.partitioning import TP_AXIS
-from paged_jax.models.quantization import batched_matmul, grouped_ragged_dot
+from paged_jax.models.quantization import grouped_ragged_dot, is_block_scaled, tile_matmul
 from paged_jax.models.weights import WeightRule, stacked_torch_linears, torch_linear
 
 ExpertMatmul = Literal["ragged_dot", "tiled"]
@@ -248,11 +248,10 @@ def tiled_grouped_matmul(
     tiles = jnp.take(rows, layout.source, axis=0).reshape(num_tiles, m, d)
     dot = dict(precision=precision, preferred_element_type=rows.dtype)
 
-    def per_tile(w):  # one expert's weights per tile (8-bit ones with their scales)
-        return jax.tree.map(lambda a: jnp.take(a, layout.tile_expert, axis=0), w)
-
-    parts = [batched_matmul(tiles, per_tile(w), **dot) for w in weights]
-    y = batched_matmul(combine(*parts), per_tile(last), **dot)
+    # Each tile times its expert's weights (8-bit ones with their scales; block-wise ones
+    # dequantized a tile at a time).
+    parts = [tile_matmul(tiles, w, layout.tile_expert, **dot) for w in weights]
+    y = tile_matmul(combine(*parts), last, layout.tile_expert, **dot)
     y = y.reshape(num_tiles * m, -1)
     return jnp.take(y, layout.slot, axis=0, mode="fill", fill_value=0)
 
@@ -274,7 +273,8 @@ def expert_forward(
 
     With every expert local (first_expert 0) this is the whole routed MLP; a device of an
     expert-parallel mesh passes its first expert and the psum adds the devices' parts.
-    `matmul` picks the grouped matmul (EXPERT_MATMULS); both give the same rows.
+    `matmul` picks the grouped matmul (EXPERT_MATMULS); both give the same rows. Block-wise
+    fp8 experts always take the tiles (one dequantized expert matrix at a time).
     """
     if matmul not in EXPERT_MATMULS:
         raise ValueError(f"matmul={matmul!r}: expected one of {EXPERT_MATMULS}")
@@ -282,7 +282,9 @@ def expert_forward(
     rows = x[plan.tokens]  # f[T*k, D]
     act = activation(hidden_act)
     with jax.named_scope(EXPERT_MATMUL_SCOPE):  # names its ops in the compiled HLO
-        if matmul == "tiled":
+        # Block-wise fp8 experts always take the tiles: ragged_dot would need every expert
+        # dequantized at once (scales along the contraction cannot leave the product).
+        if matmul == "tiled" or is_block_scaled(gate):
             y = tiled_grouped_matmul(
                 rows,
                 (gate, up),

@@ -20,12 +20,17 @@ with the contraction, so it multiplies the product's output::
 ``x @ q.astype(compute dtype)``: the convert is exact (int8 and e4m3 fit in bf16) and is
 the only dequantization; XLA fuses it into the dot's operand or, where it does not,
 materializes one converted matrix at a time. A block scale varies along the contraction,
-so the block-wise layer dequantizes its one matrix (q * s per tile) before the dot; a step
+so the block-wise layer dequantizes its one matrix (q * s per tile) before the dot, and
+block-wise MoE experts are multiplied one row tile (one expert matrix) at a time; a step
 still holds at most one dequantized matrix at a time (scripts/bench_quantization.py reads
 it from the compiled memory analysis).
 
-Embeddings, the LM head, MoE routers and Qwen2-MoE's shared-expert gate stay in the model
-dtype. qwix (Google's JAX quantization library) was read and not used: its symmetric int8
+The token embedding and the LM head are quantized only when asked
+(``quantize_embeddings``), by the same rule over the rows of the [vocab, embed] table: a
+row is a token's embedding and an output channel of the head, so one table with one scale
+per row serves the lookup (rows gathered, times their scales) and a tied head (the
+product's output times the per-vocab scale). MoE routers and Qwen2-MoE's shared-expert
+gate stay in the model dtype. qwix (Google's JAX quantization library) was read and not used: its symmetric int8
 bound is 127.5 (not 127), its scales take the weight's dtype and its PTQ provider rewrites
 the model's dot_generals by interception, which does not reach our scanned layer stacks
 (docs/quantization.md).
@@ -49,13 +54,16 @@ __all__ = [
     "QUANTIZATIONS",
     "QUANTIZED_DTYPES",
     "QuantizedExpertWeight",
+    "QuantizedEmbed",
     "QuantizedExperts",
     "QuantizedLinear",
     "batched_matmul",
     "dequantize",
     "grouped_ragged_dot",
     "quantize_columns",
+    "quantize_rows",
     "quantized_matmul",
+    "tile_matmul",
 ]
 
 # The largest magnitude of each 8-bit format: the row maximum maps onto it.
@@ -70,23 +78,37 @@ def check_quantization(quantization: Any) -> str | None:
     return quantization
 
 
+def _quantize(w: np.ndarray, method: str, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rule over `axis` of w: one scale per slice along the other axes."""
+    check_quantization(method)
+    w = np.asarray(w, dtype=np.float32)
+    absmax = np.max(np.abs(w), axis=axis, keepdims=True)
+    scale = np.where(absmax > 0, absmax / np.float32(QUANT_MAX[method]), np.float32(1.0))
+    scale = scale.astype(np.float32)
+    scaled = w / scale
+    if method == "int8":
+        q = np.clip(np.rint(scaled), -127, 127).astype(np.int8)
+    else:
+        q = scaled.astype(ml_dtypes.float8_e4m3fn)
+    return q, np.squeeze(scale, axis)
+
+
 def quantize_columns(kernel: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
     """The rule (module docstring) on a kernel f[..., in, out]: one scale per column.
 
     Returns:
         (q int8 / float8_e4m3fn [..., in, out], scale f32[..., out]).
     """
-    check_quantization(method)
-    w = np.asarray(kernel, dtype=np.float32)
-    absmax = np.max(np.abs(w), axis=-2)  # f32[..., out]
-    scale = np.where(absmax > 0, absmax / np.float32(QUANT_MAX[method]), np.float32(1.0))
-    scale = scale.astype(np.float32)
-    scaled = w / scale[..., None, :]
-    if method == "int8":
-        q = np.clip(np.rint(scaled), -127, 127).astype(np.int8)
-    else:
-        q = scaled.astype(ml_dtypes.float8_e4m3fn)
-    return q, scale
+    return _quantize(kernel, method, -2)
+
+
+def quantize_rows(table: np.ndarray, method: str) -> tuple[np.ndarray, np.ndarray]:
+    """The rule on an embedding table f[vocab, embed]: one scale per row (per token).
+
+    Returns:
+        (q int8 / float8_e4m3fn [vocab, embed], scale f32[vocab]).
+    """
+    return _quantize(table, method, -1)
 
 
 def dequantize(q: Any, scale: Any, block_size: int | None = None) -> Any:
@@ -148,13 +170,11 @@ jax.tree_util.register_dataclass(
 
 
 def batched_matmul(x: jax.Array, w: Any, **dot: Any) -> jax.Array:
-    """x f[t, m, d] @ w f[t, d, f] per t; w may be a QuantizedExpertWeight (scale [t, f])."""
+    """x f[t, m, d] @ w f[t, d, f] per t; w may be a per-channel QuantizedExpertWeight
+    (scale [t, f]; block-wise ones go through tile_matmul)."""
     if not isinstance(w, QuantizedExpertWeight):
         return jnp.einsum("tmd,tdf->tmf", x, w, **dot)
-    if w.block_size is not None:  # scales along the contraction: the tiles' experts dequantized
-        return jnp.einsum(
-            "tmd,tdf->tmf", x, dequantize(w.q, w.scale, w.block_size).astype(x.dtype), **dot
-        )
+    assert w.block_size is None, "block-wise expert weights take tile_matmul (a bug in the caller)"
     dtype = dot.pop("preferred_element_type", x.dtype)
     y = jnp.einsum(
         "tmd,tdf->tmf", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32, **dot
@@ -163,13 +183,15 @@ def batched_matmul(x: jax.Array, w: Any, **dot: Any) -> jax.Array:
 
 
 def grouped_ragged_dot(rows: jax.Array, w: Any, group_sizes: jax.Array, **dot: Any) -> jax.Array:
-    """jax.lax.ragged_dot of rows f[n, d] sorted by group with w f[G, d, f] (or quantized:
-    the product of q, then each row times its group's scale; rows past the groups are 0)."""
+    """jax.lax.ragged_dot of rows f[n, d] sorted by group with w f[G, d, f] (or quantized per
+    channel: the product of q, then each row times its group's scale; rows past the groups
+    are 0)."""
     if not isinstance(w, QuantizedExpertWeight):
         return jax.lax.ragged_dot(rows, w, group_sizes, **dot)
-    if w.block_size is not None:  # ragged_dot takes whole weights: every expert dequantized
-        weights = dequantize(w.q, w.scale, w.block_size).astype(rows.dtype)
-        return jax.lax.ragged_dot(rows, weights, group_sizes, **dot)
+    assert w.block_size is None, (
+        "block-wise expert weights take the tiled grouped matmul (ragged_dot would need every "
+        "expert dequantized at once): a bug in the caller"
+    )
     dtype = dot.pop("preferred_element_type", rows.dtype)
     y = jax.lax.ragged_dot(
         rows, w.q.astype(rows.dtype), group_sizes, preferred_element_type=jnp.float32, **dot
@@ -179,6 +201,30 @@ def grouped_ragged_dot(rows: jax.Array, w: Any, group_sizes: jax.Array, **dot: A
         jnp.arange(groups), group_sizes, total_repeat_length=rows.shape[0]
     )  # rows past sum(group_sizes) repeat the last group; their product is 0 anyway
     return (y * w.scale[group_of_row]).astype(dtype)
+
+
+def is_block_scaled(w: Any) -> bool:
+    """Whether w is a block-wise fp8 QuantizedExpertWeight (scales along the contraction)."""
+    return isinstance(w, QuantizedExpertWeight) and w.block_size is not None
+
+
+def tile_matmul(x: jax.Array, w: Any, tile_expert: jax.Array, **dot: Any) -> jax.Array:
+    """x f[t, m, d] @ w[tile_expert[t]] per row tile t, w f[G, d, f] or quantized.
+
+    Block-wise weights (scales vary along the contraction, so no scale can leave the
+    product) are dequantized one tile's expert at a time inside a loop over the tiles:
+    the step never holds more than one dequantized expert matrix. Other weights gather
+    each tile's expert and take one batched product.
+    """
+    if not is_block_scaled(w):
+        return batched_matmul(x, jax.tree.map(lambda a: jnp.take(a, tile_expert, axis=0), w), **dot)
+
+    def one_tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:  # f[m, d], i32[] -> f[m, f]
+        tile, expert = args
+        weight = dequantize(w.q[expert], w.scale[expert], w.block_size).astype(tile.dtype)
+        return jnp.dot(tile, weight, **dot)
+
+    return jax.lax.map(one_tile, (x, tile_expert))
 
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -261,3 +307,37 @@ class QuantizedLinear(nnx.Module):
             precision=self.precision,
         )
         return y if self.bias is None else y + self.bias[...]
+
+
+class QuantizedEmbed(nnx.Module):
+    """A token embedding table kept 8-bit (``quantize_embeddings``): one scale per row.
+
+    Params: qembedding int8 / f8_e4m3fn[vocab, embed], scale f32[vocab]. A row is a
+    token's embedding and, for a tied head, an output channel of the head, so one table
+    serves both: the lookup gathers rows and multiplies each by its scale; ``attend`` (the
+    tied head) scales the product's output per vocab entry, as QuantizedLinear does.
+    """
+
+    def __init__(self, num_embeddings: int, features: int, *, method: str, dtype: str):
+        check_quantization(method)
+        self.method = method
+        self.dtype = dtype
+        self.precision = matmul_precision(dtype)
+        self.qembedding = nnx.Param(jnp.zeros((num_embeddings, features), QUANTIZED_DTYPES[method]))
+        self.scale = nnx.Param(jnp.ones((num_embeddings,), jnp.float32))
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:  # i32[...] -> f[..., embed]
+        rows = jnp.take(self.qembedding[...], token_ids, axis=0).astype(jnp.float32)
+        scales = jnp.take(self.scale[...], token_ids, axis=0)
+        return (rows * scales[..., None]).astype(self.dtype)
+
+    def attend(self, x: jax.Array) -> jax.Array:  # f[..., embed] -> f[..., vocab] in x's dtype
+        """x @ dequantized table^T: the tied LM head, (x @ q^T) * scale."""
+        y = jnp.einsum(
+            "...e,ve->...v",
+            x,
+            self.qembedding[...].astype(x.dtype),
+            precision=self.precision,
+            preferred_element_type=jnp.float32,
+        )
+        return (y * self.scale[...]).astype(x.dtype)

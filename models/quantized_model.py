@@ -6,8 +6,11 @@ weight table (each kernel rule becomes a q rule and a scale rule over the same t
 and the partition rules (scales split with their weights), and guards live updates.
 
 Quantized: every nnx.Linear under ``layers`` (attention q/k/v/o, dense MLPs, a shared
-expert) and every MoE Experts block. Kept in the model dtype: embeddings, the LM head,
-routers and Qwen2-MoE's one-column shared-expert gate (UNQUANTIZED_LINEARS).
+expert) and every MoE Experts block; with ``embeddings`` (EngineConfig.quantize_embeddings)
+also the token embedding (a QuantizedEmbed, one scale per row, which a tied head shares)
+and an untied LM head (a QuantizedLinear, one scale per vocab column), always per channel,
+block-wise checkpoints included. Kept in the model dtype: routers, Qwen2-MoE's one-column
+shared-expert gate (UNQUANTIZED_LINEARS) and, unless asked, embeddings and the LM head.
 """
 
 from __future__ import annotations
@@ -25,14 +28,17 @@ from paged_jax.models.moe import Experts
 from paged_jax.models.partitioning import PartitionRules
 from paged_jax.models.quantization import (
     EXPERT_PROJECTIONS,
+    QuantizedEmbed,
     QuantizedExperts,
     QuantizedLinear,
     check_quantization,
     quantize_columns,
+    quantize_rows,
 )
 from paged_jax.models.weights import WeightRule
 
 __all__ = [
+    "EMBEDDING_PATHS",
     "UNQUANTIZED_LINEARS",
     "is_quantized",
     "quantize_model",
@@ -46,6 +52,8 @@ __all__ = [
 # Linear layers under a decoder layer that stay unquantized (small, and their outputs
 # pick experts: routers; Qwen2-MoE's one-column shared-expert gate).
 UNQUANTIZED_LINEARS = ("router", "shared_expert_gate")
+# The token embedding and the untied LM head: quantized only when asked, always per channel.
+EMBEDDING_PATHS = (("embed_tokens",), ("lm_head",))
 
 
 def _parent_and_name(model: Any, path: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -59,10 +67,11 @@ def _is_experts(node: Any) -> bool:
     return isinstance(node, Experts)
 
 
-def quantized_linear_paths(model: Any) -> list[tuple[Any, ...]]:
+def quantized_linear_paths(model: Any, *, embeddings: bool = False) -> list[tuple[Any, ...]]:
     """Module paths of the layers a quantization replaces: every nnx.Linear under
     ``layers`` except routers and gates (UNQUANTIZED_LINEARS), and every MoE Experts
-    block, in graph order."""
+    block, in graph order; with `embeddings`, then the token embedding and an untied
+    LM head (EMBEDDING_PATHS)."""
     paths = []
     for path, node in nnx.iter_graph(model):
         if not path or path[0] != "layers":
@@ -70,6 +79,8 @@ def quantized_linear_paths(model: Any) -> list[tuple[Any, ...]]:
         linear = isinstance(node, nnx.Linear) and path[-1] not in UNQUANTIZED_LINEARS
         if linear or _is_experts(node):
             paths.append(tuple(path))
+    if embeddings:
+        paths += [p for p in EMBEDDING_PATHS if getattr(model, p[0], None) is not None]
     return paths
 
 
@@ -79,19 +90,27 @@ def _quantized_experts(old: Any, method: str, block_size: int | None) -> Quantiz
 
 
 def replace_linears(
-    model: Any, method: str, *, block_size: int | None = None, abstract: bool = True
+    model: Any,
+    method: str,
+    *,
+    block_size: int | None = None,
+    abstract: bool = True,
+    embeddings: bool = False,
 ) -> list[tuple[Any, ...]]:
-    """Replaces, in place, every quantized_linear_paths layer by an empty QuantizedLinear.
+    """Replaces, in place, every quantized_linear_paths layer by an empty 8-bit one.
 
     Args:
         model: a CausalLM, usually abstract (nnx.eval_shape): its new params are then
             ShapeDtypeStructs too, filled by the loader.
+        block_size: the decoder layers' block scales (block-wise fp8 checkpoints); the
+            embedding and LM head are per channel whatever it is.
         abstract: build the new layers abstractly (nothing allocated).
+        embeddings: also the token embedding and an untied LM head.
 
     Returns:
         The replaced module paths.
     """
-    paths = quantized_linear_paths(model)
+    paths = quantized_linear_paths(model, embeddings=embeddings)
     dtype = model.config.dtype
     for path in paths:
         parent, name = _parent_and_name(model, path)
@@ -100,19 +119,27 @@ def replace_linears(
             experts = nnx.eval_shape(lambda o=old: _quantized_experts(o, method, block_size))
             setattr(parent, name, experts)
             continue
-        in_features, out_features = old.in_features, old.out_features
+        if isinstance(old, nnx.Embed):
 
-        def build(i=in_features, o=out_features, b=old.bias is not None):
-            return QuantizedLinear(i, o, method=method, bias=b, dtype=dtype, block_size=block_size)
+            def embed(v=old.num_embeddings, e=old.features):
+                return QuantizedEmbed(v, e, method=method, dtype=dtype)
+
+            setattr(parent, name, nnx.eval_shape(embed) if abstract else embed())
+            continue
+        in_features, out_features = old.in_features, old.out_features
+        blocks = None if tuple(path) in EMBEDDING_PATHS else block_size
+
+        def build(i=in_features, o=out_features, b=old.bias is not None, blocks=blocks):
+            return QuantizedLinear(i, o, method=method, bias=b, dtype=dtype, block_size=blocks)
 
         setattr(parent, name, nnx.eval_shape(build) if abstract else build())
     return paths
 
 
 def is_quantized(model: Any) -> bool:
-    """Whether any layer of `model` holds 8-bit weights (QuantizedLinear)."""
+    """Whether any layer of `model` holds 8-bit weights (QuantizedLinear, QuantizedEmbed)."""
     return isinstance(model, nnx.Module) and any(
-        isinstance(node, QuantizedLinear) for _, node in nnx.iter_graph(model)
+        isinstance(node, QuantizedLinear | QuantizedEmbed) for _, node in nnx.iter_graph(model)
     )
 
 
@@ -126,17 +153,19 @@ def refuse_weight_updates(model: Any, what: str) -> None:
     if not isinstance(model, nnx.Module):
         return
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, QuantizedLinear):
+        if isinstance(node, QuantizedLinear | QuantizedEmbed):
             raise ValueError(
                 f"{what}: the engine serves 8-bit weights (quantization={node.method!r}"
-                f"{', block-wise from the checkpoint' if node.block_size else ''}); updating "
+                f"{', block-wise from the checkpoint' if getattr(node, 'block_size', None) else ''}"
+                "); updating "
                 "the weights of a quantized model is not supported: build a new LLM from "
                 "the updated checkpoint instead"
             )
 
 
-def quantize_model(model: Any, method: str) -> Any:
-    """A copy of a loaded CausalLM with its linear layers quantized by the rule, on device.
+def quantize_model(model: Any, method: str, *, embeddings: bool = False) -> Any:
+    """A copy of a loaded CausalLM with its linear layers (and, with `embeddings`, its
+    token embedding and LM head) quantized by the rule, on device.
 
     The original model keeps its float weights (its arrays are not changed); the copy
     shares every unquantized array with it. Used for models built in memory (random
@@ -146,9 +175,19 @@ def quantize_model(model: Any, method: str) -> Any:
     check_quantization(method)
     graphdef, state = nnx.split(model)
     copy = nnx.merge(graphdef, state)  # new module objects over the same arrays
-    for path in quantized_linear_paths(copy):
+    for path in quantized_linear_paths(copy, embeddings=embeddings):
         parent, name = _parent_and_name(copy, path)
         old = getattr(parent, name)
+        if isinstance(old, nnx.Embed):
+            table = old.embedding[...]
+            q, scale = quantize_rows(np.asarray(table), method)
+            new = QuantizedEmbed(
+                old.num_embeddings, old.features, method=method, dtype=copy.config.dtype
+            )
+            new.qembedding[...] = jax.device_put(q, getattr(table, "sharding", None))
+            new.scale[...] = jnp.asarray(scale)
+            setattr(parent, name, new)
+            continue
         if _is_experts(old):
             experts = _quantized_experts(old, method, None)
             for n in EXPERT_PROJECTIONS:
@@ -185,11 +224,14 @@ class _OneQuantization:
         self._value: tuple[np.ndarray, np.ndarray] | None = None
         self._held: Any = None
 
-    def __call__(self, kernel: np.ndarray, rule_id: int) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(
+        self, kernel: np.ndarray, rule_id: int, rows: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         key = (id(kernel), rule_id)
         if self._key != key:
             self._held = kernel  # keeps id(kernel) from being reused while cached
-            self._key, self._value = key, quantize_columns(kernel, self.method)
+            quantize = quantize_rows if rows else quantize_columns
+            self._key, self._value = key, quantize(kernel, self.method)
         return self._value
 
 
@@ -197,24 +239,27 @@ def quantized_weight_rules(
     rules: Sequence[WeightRule], paths: Sequence[tuple[Any, ...]], method: str
 ) -> list[WeightRule]:
     """The loader's table for on-load quantization: each replaced layer's kernel rule
-    becomes a qweight rule and a scale rule over the same checkpoint tensor."""
+    (a replaced embedding's table rule) becomes a qweight (qembedding) rule and a scale
+    rule over the same checkpoint tensor."""
     replaced = {tuple(p) for p in paths}
     cache = _OneQuantization(method)
     out: list[WeightRule] = []
     for rule_id, rule in enumerate(rules):
         path = tuple(rule.param_path)
         expert = path[:-1] in replaced and path[-1] in EXPERT_PROJECTIONS
-        if path[:-1] not in replaced or (path[-1] != "kernel" and not expert):
+        table = path[:-1] in replaced and path[-1] == "embedding"
+        if path[:-1] not in replaced or (path[-1] != "kernel" and not expert and not table):
             out.append(rule)
             continue
-        q_path = path if expert else (*path[:-1], "qweight")
+        q_leaf = "qembedding" if table else "qweight"
+        q_path = path if expert else (*path[:-1], q_leaf)
         scale_path = (*path[:-1], f"{path[-1]}_scale" if expert else "scale")
 
-        def q_of(a, t=rule.transform, i=rule_id):
-            return cache(np.asarray(t(a)), i)[0]
+        def q_of(a, t=rule.transform, i=rule_id, rows=table):
+            return cache(np.asarray(t(a)), i, rows)[0]
 
-        def scale_of(a, t=rule.transform, i=rule_id):
-            return cache(np.asarray(t(a)), i)[1]
+        def scale_of(a, t=rule.transform, i=rule_id, rows=table):
+            return cache(np.asarray(t(a)), i, rows)[1]
 
         out.append(dataclasses.replace(rule, param_path=q_path, transform=q_of))
         out.append(dataclasses.replace(rule, param_path=scale_path, transform=scale_of))
@@ -224,7 +269,9 @@ def quantized_weight_rules(
 def quantized_partition_rules(rules: PartitionRules, *, block_scales: bool) -> PartitionRules:
     """`rules` extended to quantized layers: qweight split as its kernel; a per-channel
     scale f32[out] as the kernel's output axis, a block scale f32[in/b, out/b] as the
-    kernel (each device then holds the scales of its own rows and columns)."""
+    kernel (each device then holds the scales of its own rows and columns); an 8-bit
+    embedding table split as the table, its per-row scales f32[vocab] with its rows. The
+    LM head is per channel even in a block-wise checkpoint."""
     extra = []
     for pattern, axes in rules:
         if pattern.endswith("_proj$") and axes[:1] == ("experts",):  # stacked experts
@@ -232,6 +279,11 @@ def quantized_partition_rules(rules: PartitionRules, *, block_scales: bool) -> P
             extra.append((pattern[:-1] + "_scale$", scale_axes))
         if pattern.endswith("kernel$") and len(axes) == 2:
             stem = pattern[: -len("kernel$")]
+            per_channel = not block_scales or stem.lstrip("^") == "lm_head/"
             extra.append((stem + "qweight$", axes))
-            extra.append((stem + "scale$", axes if block_scales else axes[-1:]))
+            extra.append((stem + "scale$", axes[-1:] if per_channel else axes))
+        if pattern.endswith("/embedding$") and len(axes) == 2:
+            stem = pattern[: -len("embedding$")]
+            extra.append((stem + "qembedding$", axes))
+            extra.append((stem + "scale$", axes[:1]))
     return tuple(extra) + tuple(rules)

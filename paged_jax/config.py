@@ -103,6 +103,9 @@ class EngineConfig:
             activations stay in dtype). A checkpoint quantized block-wise in fp8
             (quantization_config quant_method "fp8") is served 8-bit whatever this says
             (docs/quantization.md).
+        quantize_embeddings: with quantization, the token embedding and the LM head are
+            8-bit too, by the same rule with one scale per vocab row (a tied head shares
+            the one table); they stay in dtype otherwise. Needs quantization.
         seed: engine seed; requests without their own seed draw one from it.
         hash_algo: prefix-cache block hash, "sha256" or "xxhash".
         async_scheduling: keep one device step in flight: the host schedules and packs
@@ -180,6 +183,7 @@ class EngineConfig:
     dtype: Dtype = "auto"
     kv_cache_dtype: KVCacheDtype = "auto"
     quantization: Quantization | None = None
+    quantize_embeddings: bool = False
     seed: int = 0
     hash_algo: HashAlgo = "sha256"
     async_scheduling: bool = True
@@ -255,6 +259,7 @@ class EngineConfig:
             "batch_invariant",
             "enable_lora",
             "enable_prompt_embeds",
+            "quantize_embeddings",
         ):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool")
@@ -271,6 +276,13 @@ class EngineConfig:
                 fail(self, name, f"one of {allowed}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             fail(self, "quantization", f"None or one of {QUANTIZATIONS}")
+        if self.quantize_embeddings and self.quantization is None:
+            fail(
+                self,
+                "quantize_embeddings",
+                "False without quantization (set quantization='int8' | 'fp8' for 8-bit "
+                "embedding and LM head)",
+            )
         if not is_int(self.seed) or not 0 <= self.seed < 2**32:
             fail(self, "seed", "an int in [0, 2**32)")
         if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:

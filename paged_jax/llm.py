@@ -119,7 +119,8 @@ class LLM:
             weights + KV cache + activations; ignored with a warning on CPU), max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching,
             preemption_mode, scheduling_policy, attention_backend, dtype, kv_cache_dtype,
             seed, hash_algo, tensor_parallel_size, quantization: "int8" / "fp8" 8-bit
-            weights, docs/quantization.md). ``kv_cache_dtype="fp8_e4m3"`` (or
+            weights, quantize_embeddings: the embedding and LM head 8-bit too,
+            docs/quantization.md). ``kv_cache_dtype="fp8_e4m3"`` (or
             "fp8_e5m2") stores the KV cache in fp8 with the checkpoint's k_scale/v_scale,
             else 1.0.
 
@@ -195,6 +196,7 @@ class LLM:
                 attention_backend=config.attention_backend,
                 mesh=mesh,
                 quantization=config.quantization,
+                quantize_embeddings=config.quantize_embeddings,
             )
             # load_weights takes tensors of the checkpoint's shapes; a model loaded onto a
             # mesh repeats its KV heads when they are fewer than the devices.
@@ -214,7 +216,9 @@ class LLM:
                 from paged_jax.models.quantized_model import is_quantized, quantize_model
 
                 if not is_quantized(model):
-                    model = quantize_model(model, config.quantization)
+                    model = quantize_model(
+                        model, config.quantization, embeddings=config.quantize_embeddings
+                    )
             self.model = model
             self._checkpoint_config = getattr(model, "config", None)  # never split here
             config = dataclasses.replace(config, dtype=_dtype_name(model.config.dtype))

@@ -7,13 +7,18 @@ Four parts, each side by side in one run:
 * weight_bytes: device bytes of the params (scales included) of Llama-3-8B and 70B
   shapes, bf16 vs int8 / fp8, from the modules' own abstract params (nothing allocated),
   for the decoder layers (the quantized part) and the whole model (embeddings and LM
-  head stay bf16); plus the demo model's loaded arrays.
+  head bf16, or 8-bit too with quantize_embeddings: the "*_embeddings" rows); plus the
+  demo model's loaded arrays.
 * cpu_decode: the demo model served by LLM (CPU, f32 activations): one greedy decode
   step's wall time (a batch of requests decoding together; total time / steps),
   quantized vs unquantized, median of rounds.
 * compiled_temporaries: the engine's step for a 32-layer Llama-3-8B-shaped model with
   int8 weights (scanned layers, decode at batch 64), compiled for CPU from abstract
   weights: memory_analysis temporaries vs the 8-bit weight bytes.
+* block_moe_temporaries: one Qwen3-30B-A3B-shaped expert MLP (128 experts of 2048 x 768,
+  top 8) with block-wise scales (128 x 128 tiles), decode at batch 64, compiled for CPU
+  (f32): temporaries vs the 8-bit expert weights and one dequantized matrix, with int8
+  and fp8 codes (XLA's CPU backend computes fp8 in f16: it converts whole fp8 stacks).
 * accuracy: the demo model, quantized vs f32 weights on the demo prompts: greedy
   agreement (identical continuations, first divergence) and, teacher-forced along the
   unquantized greedy path, max |logit diff| and top-1 agreement.
@@ -53,11 +58,11 @@ def _bytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def abstract_llama(hf: dict, quantization: str | None):
+def abstract_llama(hf: dict, quantization: str | None, embeddings: bool = False):
     config = LlamaForCausalLM.config_from_hf(hf, {}, "bfloat16")
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
     if quantization:
-        replace_linears(model, quantization)
+        replace_linears(model, quantization, embeddings=embeddings)
     return model
 
 
@@ -65,14 +70,16 @@ def weight_bytes() -> dict:
     out = {}
     for name, hf in (("llama3_8b", LLAMA3_8B_CONFIG), ("llama3_70b", LLAMA3_70B)):
         row = {}
-        for method in (None, *METHODS):
-            model = abstract_llama(hf, method)
-            row[method or "bfloat16"] = dict(
-                layers=_bytes(nnx.state(model.layers)), total=_bytes(nnx.state(model))
-            )
+        for method, embeddings in ((None, False), *((m, e) for m in METHODS for e in (0, 1))):
+            model = abstract_llama(hf, method, bool(embeddings))
+            key = (method or "bfloat16") + ("_embeddings" if embeddings else "")
+            row[key] = dict(layers=_bytes(nnx.state(model.layers)), total=_bytes(nnx.state(model)))
         for method in METHODS:
             row[f"{method}_ratio_layers"] = row[method]["layers"] / row["bfloat16"]["layers"]
             row[f"{method}_ratio_total"] = row[method]["total"] / row["bfloat16"]["total"]
+            row[f"{method}_embeddings_ratio_total"] = (
+                row[f"{method}_embeddings"]["total"] / row["bfloat16"]["total"]
+            )
         out[name] = row
     return out
 
@@ -170,6 +177,59 @@ def compiled_temporaries(num_layers: int, batch: int) -> dict:
     return out
 
 
+def block_moe_temporaries(batch: int) -> dict:
+    """One Qwen3-30B-A3B-shaped expert MLP with 128 x 128 block scales, compiled for CPU."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from paged_jax.models.moe import expert_forward
+    from paged_jax.models.quantization import QuantizedExpertWeight
+
+    e, d, f, b, k = 128, 2048, 768, 128, 8
+    out: dict[str, Any] = {}
+    for codes in ("int8", "float8_e4m3fn"):
+
+        def weight(rows, cols, codes=codes):
+            return QuantizedExpertWeight(
+                jax.ShapeDtypeStruct((e, rows, cols), jnp.dtype(codes)),
+                jax.ShapeDtypeStruct((e, rows // b, cols // b), jnp.float32),
+                b,
+            )
+
+        weights = (weight(d, f), weight(d, f), weight(f, d))
+        args = (
+            jax.ShapeDtypeStruct((batch, d), jnp.float32),
+            jax.ShapeDtypeStruct((batch, k), jnp.float32),
+            jax.ShapeDtypeStruct((batch, k), jnp.int32),
+            *weights,
+        )
+        for matmul in ("tiled", "ragged_dot"):
+            forward = functools.partial(
+                expert_forward, hidden_act="silu", precision=None, matmul=matmul
+            )
+            stats = jax.jit(forward).lower(*args).compile().memory_analysis()
+            temp, weight_bytes = int(stats.temp_size_in_bytes), _bytes(weights)
+            out[f"{codes}/{matmul}"] = dict(
+                weight_bytes=weight_bytes, temp_bytes=temp, temp_over_weights=temp / weight_bytes
+            )
+            print(f"block moe {codes} {matmul}: temp {temp / 2**20:.1f} MiB", flush=True)
+    out.update(
+        one_dequantized_matrix_bytes=d * f * 4,
+        every_expert_dequantized_bytes=e * d * f * 4,
+        fp8_stacks_as_f16_bytes=3 * e * d * f * 2,
+        experts=e,
+        hidden=d,
+        intermediate=f,
+        top_k=k,
+        block=b,
+        batch=batch,
+        dtype="float32",
+        backend=jax.default_backend(),
+    )
+    return out
+
+
 def accuracy(path: pathlib.Path, num_prompts: int, max_new: int) -> dict:
     from paged_jax.entrypoints.demo import build_byte_tokenizer
     from paged_jax.entrypoints.demo_prompts import builtin_prompts
@@ -223,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-layers", type=int, default=32)
     p.add_argument(
         "--parts",
-        default="weight_bytes,compiled_temporaries,cpu_decode,accuracy",
+        default="weight_bytes,compiled_temporaries,block_moe_temporaries,cpu_decode,accuracy",
         help="comma-separated subset of the parts",
     )
     args = p.parse_args(argv)
@@ -245,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if "compiled_temporaries" in parts:
         report["compiled_temporaries"] = compiled_temporaries(args.compile_layers, 64)
         print(json.dumps(report["compiled_temporaries"], indent=1), flush=True)
+    if "block_moe_temporaries" in parts:
+        report["block_moe_temporaries"] = block_moe_temporaries(64)
+        print(json.dumps(report["block_moe_temporaries"], indent=1), flush=True)
     if "cpu_decode" in parts:
         report["cpu_decode"] = cpu_decode(demo, args.batch, args.steps, args.rounds)
         print(json.dumps(report["cpu_decode"], indent=1), flush=True)

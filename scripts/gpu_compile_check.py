@@ -185,6 +185,8 @@ class Case:
         expert_matmul: MoE step cases: the grouped matmul (moe.EXPERT_MATMULS).
         quantization: Step cases: "int8" / "fp8" 8-bit weights (EngineConfig.quantization;
             "": the model dtype's).
+        weight_block: Step cases with fp8 weights: b of block-wise fp8 weights (scales per
+            b x b tile, as a fine-grained fp8 checkpoint loads); 0: per channel.
     """
 
     name: str
@@ -208,6 +210,7 @@ class Case:
     scan_layers: bool = True
     expert_matmul: str = ""
     quantization: str = ""
+    weight_block: int = 0
 
     @property
     def q_dtype(self) -> str:
@@ -350,7 +353,10 @@ def moe_steps() -> list[Case]:
     """Mixture-of-experts steps, mixed bucket: a tiny Mixtral (8 experts, top 2) and two
     layers at Qwen3-30B-A3B's shape (128 experts of width 768, top 8), each with the tiled
     grouped matmul and with jax.lax.ragged_dot, and the tiny Mixtral's experts split over
-    two devices. The first is --grid ci's."""
+    two devices. The first is --grid ci's. Last, the Qwen3-30B-A3B-shaped decode step with
+    block-wise fp8 weights (128 x 128 tiles, as Qwen3-30B-A3B-FP8 loads): its experts'
+    block scales vary along the contraction, so each row tile's expert is dequantized in
+    turn; temporaries are judged against the 8-bit weights as the int8 Llama step's."""
     tiny = dict(model="mixtral-tiny", head_dim=64, group=2, batch=64, context=4096, prefill=(449,))
     qwen = dict(model="qwen3moe", group=8, batch=64, context=32768, prefill=(449,))
     return [
@@ -364,6 +370,12 @@ def moe_steps() -> list[Case]:
         Case("step-qwen3moe-mixed-t512-s64-tiled", "step", expert_matmul="tiled", **qwen),
         Case("step-qwen3moe-mixed-t512-s64-ragged_dot", "step", expert_matmul="ragged_dot",
              **qwen),
+        Case("step-qwen3moe-fp8block128-decode-s64", "step", model="qwen3moe", group=8,
+             batch=64, context=32768, decode_only=True, expert_matmul="tiled",
+             quantization="fp8", weight_block=128),
+        Case("step-qwen3moe-fp8block128-unrolled-decode-s64", "step", model="qwen3moe",
+             group=8, batch=64, context=32768, decode_only=True, expert_matmul="tiled",
+             quantization="fp8", weight_block=128, scan_layers=False),
     ]  # fmt: skip
 
 
@@ -1206,7 +1218,7 @@ def step_fn_and_args(case: Case, t: Target):
     if case.quantization:  # 8-bit weights, as load_model(quantization=...) builds them
         from paged_jax.models.quantized_model import replace_linears
 
-        replace_linears(model, case.quantization)
+        replace_linears(model, case.quantization, block_size=case.weight_block or None)
     if case.expert_matmul:
         set_expert_matmul(model, case.expert_matmul)
     engine_config = EngineConfig(

@@ -242,6 +242,10 @@ ENGINE_FLAGS = {
         "8-bit weights, quantized on load (weight-only: activations stay in --dtype); a "
         "block-wise fp8 checkpoint is served 8-bit without it (docs/quantization.md)"
     ),
+    "quantize_embeddings": Flag(
+        "with --quantization: the token embedding and the LM head 8-bit too (one scale per "
+        "vocab row; a tied head shares the table)"
+    ),
     "enable_prefix_caching": Flag("turn prefix caching off", name="no-prefix-caching"),
     "async_scheduling": Flag("read each step's tokens before scheduling the next (for debugging)"),
     "scan_layers": Flag(

@@ -66,7 +66,12 @@ def check_model(
         ValueError: one line naming the file (and the field) that dooms the run.
     """
     config_file = model_dir / "config.json"
-    config = _model_config(model_dir, config_file, engine_args.get("quantization"))
+    config = _model_config(
+        model_dir,
+        config_file,
+        engine_args.get("quantization"),
+        bool(engine_args.get("quantize_embeddings", False)),
+    )
     tokenizer = _check_tokenizer(model_dir)
     if chat_template is None:
         chat_template = _check_chat_template(model_dir)
@@ -144,14 +149,19 @@ def check_constraint(constraint: Any, facts: ModelFacts, flag: str) -> None:
 
 
 def _model_config(
-    model_dir: pathlib.Path, config_file: pathlib.Path, quantization: str | None = None
+    model_dir: pathlib.Path,
+    config_file: pathlib.Path,
+    quantization: str | None = None,
+    quantize_embeddings: bool = False,
 ) -> Any:
     """The checkpoint's ModelConfig after the loader's checks (weight headers included;
     a quantization_config and --quantization checked together)."""
     from paged_jax.models.loader import check_model_dir
 
     try:
-        return check_model_dir(model_dir, quantization=quantization)
+        return check_model_dir(
+            model_dir, quantization=quantization, quantize_embeddings=quantize_embeddings
+        )
     except (ValueError, FileNotFoundError) as err:
         if str(model_dir) in str(err):
             raise

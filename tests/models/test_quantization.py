@@ -20,6 +20,7 @@ from flax import nnx
 
 from paged_jax.models import load_model
 from paged_jax.models.quantization import (
+    QuantizedEmbed,
     QuantizedExperts,
     QuantizedLinear,
     dequantize,
@@ -32,16 +33,19 @@ IDS = np.array([[1, 5, 9, 20, 33, 7, 64, 100], [3, 3, 90, 12, 4, 77, 18, 2]], np
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _quantized_weights(hf_model):
+def _quantized_weights(hf_model, embeddings=False):
     """(module name, weight f[..., out, in]) of every weight the rule quantizes: the
     projections' nn.Linear weights, and transformers' fused MoE experts (gate_up_proj
-    f[E, 2F, D], down_proj f[E, D, F]: rows are output channels, as in nn.Linear)."""
+    f[E, 2F, D], down_proj f[E, D, F]: rows are output channels, as in nn.Linear); with
+    `embeddings`, the token embedding f[V, D] and an untied lm_head f[V, D] (a tied head
+    is the embedding's parameter, listed once): rows are vocab entries."""
     for name, param in hf_model.named_parameters():
         module, leaf = name.rsplit(".", 1)
         linear = leaf == "weight" and module.split(".")[-1] in LINEARS
         fused = module.endswith(".experts") and leaf in ("gate_up_proj", "down_proj")
-        if ".layers." in name and (linear or fused):
-            yield (module if linear else name), param
+        table = embeddings and module.split(".")[-1] in ("embed_tokens", "lm_head")
+        if (".layers." in name and (linear or fused)) or table:
+            yield (module if linear or table else name), param
 
 
 def _rule_dequantized(weight, method):
@@ -60,7 +64,7 @@ def _rule_dequantized(weight, method):
     return q * scale[..., None]
 
 
-def _hf_logits_with(path, replace):
+def _hf_logits_with(path, replace, embeddings=False):
     import torch
     import transformers
 
@@ -68,7 +72,7 @@ def _hf_logits_with(path, replace):
         path, attn_implementation="eager", dtype=torch.float32
     ).eval()
     with torch.no_grad():
-        for name, weight in list(_quantized_weights(model)):
+        for name, weight in list(_quantized_weights(model, embeddings)):
             weight.copy_(replace(name, weight))
         return model(torch.as_tensor(IDS, dtype=torch.long)).logits.numpy()
 
@@ -136,19 +140,25 @@ def test_on_load_logits_equal_dequantized_transformers(tiny_hf_checkpoint, famil
 
 @pytest.mark.filterwarnings("ignore::paged_jax.models.loader.WeightCastWarning")
 def test_layer_bytes_about_half_of_bf16(tiny_hf_checkpoint):
-    """Device bytes of the decoder layers (the quantized part, scales included)."""
+    """Device bytes (scales included) of the decoder layers, the quantized part, and of
+    the whole model, which reaches the same ratio with quantize_embeddings."""
     path = tiny_hf_checkpoint(
-        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4
+        "llama", hidden_size=256, intermediate_size=512, num_attention_heads=4, vocab_size=2048
     )
 
-    def layer_bytes(model):
-        leaves = nnx.to_flat_state(nnx.state(model.layers))
-        return sum(v.get_value().nbytes for _, v in leaves)
+    def nbytes(module):
+        return sum(v.get_value().nbytes for _, v in nnx.to_flat_state(nnx.state(module)))
 
-    bf16 = layer_bytes(load_model(path, "bfloat16"))
+    bf16 = load_model(path, "bfloat16")
     for method in ("int8", "fp8"):
-        ratio = layer_bytes(load_model(path, "bfloat16", quantization=method)) / bf16
+        layers_only = load_model(path, "bfloat16", quantization=method)
+        ratio = nbytes(layers_only.layers) / nbytes(bf16.layers)
         assert 0.5 < ratio <= 0.53, ratio
+        # The bf16 embedding and head (2 x 2048 x 256) keep the whole model above 0.53x ...
+        assert nbytes(layers_only) / nbytes(bf16) > 0.6
+        whole = load_model(path, "bfloat16", quantization=method, quantize_embeddings=True)
+        ratio = nbytes(whole) / nbytes(bf16)
+        assert 0.5 < ratio <= 0.53, ratio  # ... and 8-bit they join the layers' ratio
 
 
 def _block_quantize(w, b):
@@ -261,7 +271,13 @@ moe_two = load_model(moe_path, quantization="int8", mesh=make_mesh(2))
 experts = moe_two.layers[0].mlp.experts
 specs["experts"] = [list(experts.up_proj[...].sharding.spec), list(experts.up_proj_scale[...].sharding.spec)]
 moe_diff = float(np.abs(np.asarray(moe_one(ids)) - np.asarray(moe_two(ids))).max())
-print(json.dumps({"specs": specs, "diff": diff, "moe_diff": moe_diff}))
+one = load_model(path, quantization="int8", quantize_embeddings=True)
+two = load_model(path, quantization="int8", quantize_embeddings=True, mesh=make_mesh(2))
+table, head = two.embed_tokens, two.lm_head
+specs["embed"] = [list(table.qembedding[...].sharding.spec), list(table.scale[...].sharding.spec)]
+specs["head"] = [list(head.qweight[...].sharding.spec), list(head.scale[...].sharding.spec)]
+embed_diff = float(np.abs(np.asarray(one(ids)) - np.asarray(two(ids))).max())
+print(json.dumps({"specs": specs, "diff": diff, "moe_diff": moe_diff, "embed_diff": embed_diff}))
 """
 
 
@@ -285,20 +301,26 @@ def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
     assert result["specs"]["down"] == [["tp", None], [None]]
     # Expert parallelism: each device holds its experts' 8-bit weights and their scales.
     assert result["specs"]["experts"] == [["tp", None, None], ["tp", None]]
-    assert result["diff"] < 1e-5 and result["moe_diff"] < 1e-5
+    # quantize_embeddings: vocab-parallel table and head, each scale with its vocab row.
+    assert result["specs"]["embed"] == [["tp", None], ["tp"]]
+    assert result["specs"]["head"] == [[None, "tp"], ["tp"]]
+    assert result["diff"] < 1e-5 and result["moe_diff"] < 1e-5 and result["embed_diff"] < 1e-5
 
 
-def test_engine_int8_weights_with_fp8_kv_cache(tiny_hf_checkpoint):
+@pytest.mark.parametrize("method, embeddings", [("int8", False), ("fp8", True)])
+def test_engine_8bit_weights_with_fp8_kv_cache(tiny_hf_checkpoint, method, embeddings):
     """Both 8-bit features in one engine (layers scanned over stacked 8-bit weights):
-    greedy decode runs on int8 weights over an fp8 KV pool, and its prompt logprobs
-    match the dense int8 forward within fp8 KV error."""
+    greedy decode runs on int8 weights (fp8 weights with an 8-bit embedding and head)
+    over an fp8 KV pool, and its prompt logprobs match the dense forward of the same
+    8-bit model within fp8 KV error."""
     from paged_jax.llm import LLM
     from paged_jax.sampling_params import SamplingParams
 
     path = tiny_hf_checkpoint("llama")
     llm = LLM(
         path,
-        quantization="int8",
+        quantization=method,
+        quantize_embeddings=embeddings,
         kv_cache_dtype="fp8",
         block_size=4,
         max_num_seqs=4,
@@ -307,13 +329,15 @@ def test_engine_int8_weights_with_fp8_kv_cache(tiny_hf_checkpoint):
         attention_backend="reference",
         scan_layers="on",  # the 8-bit weights stacked by layer and scanned
     )
-    assert llm.config.quantization == "int8"
+    assert llm.config.quantization == method
+    assert isinstance(llm.model.embed_tokens, QuantizedEmbed) == embeddings
     prompt = IDS[0].tolist()
     out = llm.generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0), use_tqdm=False
     )[0]
     assert len(out.outputs[0].token_ids) == 4
-    dense = np.asarray(load_model(path, quantization="int8")(IDS[:1]))[0]
+    dense = load_model(path, quantization=method, quantize_embeddings=embeddings)
+    dense = np.asarray(dense(IDS[:1]))[0]
     shifted = dense - dense.max(-1, keepdims=True)
     logprobs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
     got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:])]
@@ -395,3 +419,84 @@ def test_block_scales_must_split_on_block_edges(block_fp8_checkpoint):
     check_block_sharding(rules, partition, 8, 2)
     with pytest.raises(ValueError, match=r"k_proj.weight \[32, 64\] splits a dim of 32 .* 2 x"):
         check_block_sharding(rules, partition, 32, 2)
+
+
+@pytest.mark.parametrize("family, method", [("llama", "int8"), ("gemma2", "fp8")])
+def test_quantized_embeddings_equal_dequantized_transformers(tiny_hf_checkpoint, family, method):
+    """quantize_embeddings: the embedding table (and an untied head) 8-bit too, one scale
+    per vocab row. Llama's head is untied (its own QuantizedLinear); Gemma 2 ties it, so
+    its one 8-bit table serves the scaled lookup and the soft-capped head."""
+    from paged_jax.models.quantized_model import quantize_model
+
+    path = tiny_hf_checkpoint(family)
+    model = load_model(path, quantization=method, quantize_embeddings=True)
+    vocab = model.config.vocab_size
+    table = model.embed_tokens
+    assert isinstance(table, QuantizedEmbed) and table.scale[...].shape == (vocab,)
+    assert str(table.qembedding[...].dtype) == ("int8" if method == "int8" else "float8_e4m3fn")
+    if family == "llama":
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.scale[...].shape == (
+            vocab,
+        )
+    else:
+        assert model.lm_head is None  # tied: the one table
+    want = _hf_logits_with(path, lambda _name, w: _rule_dequantized(w, method), embeddings=True)
+    got = np.asarray(model(IDS))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    # The embedding's quantization shows: the layers-only model is off the reference.
+    assert np.abs(np.asarray(load_model(path, quantization=method)(IDS)) - want).max() > 1e-3
+    # An in-memory model (LLM(model=..., quantization=..., quantize_embeddings=True)).
+    copy = quantize_model(load_model(path), method, embeddings=True)
+    np.testing.assert_allclose(np.asarray(copy(IDS)), got, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match=r"quantize_embeddings=True needs quantization"):
+        load_model(path, quantize_embeddings=True)
+    from paged_jax.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"quantize_embeddings=True must be False without quant"):
+        EngineConfig(quantize_embeddings=True)
+
+
+@pytest.mark.parametrize("matmul", ["tiled", "ragged_dot"])
+def test_block_scaled_experts_hold_one_dequantized_matrix(matmul):
+    """Block scales vary along the contraction, so block-wise experts are dequantized one
+    row tile's expert at a time (whichever grouped matmul is asked). The compiled expert
+    MLP (CPU, f32) of 32 experts of 1024 x 1024 with 128 x 128 block scales: with int8
+    codes its temporaries stay under 10% of the 8-bit weights (one dequantized f32 matrix
+    is 4 MiB; every expert's, the former ragged_dot path, 128 MiB). With fp8 codes XLA's
+    CPU backend, which computes fp8 in f16, converts each whole fp8 stack to f16 before
+    the loop: the temporaries are that copy plus the same loop's."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from paged_jax.models.moe import expert_forward
+    from paged_jax.models.quantization import QuantizedExpertWeight
+
+    e, d, f, b, t, k = 32, 1024, 1024, 128, 8, 2
+    temps = {}
+    for dtype in (jnp.int8, jnp.float8_e4m3fn):
+
+        def weight(rows, cols, dtype=dtype):
+            return QuantizedExpertWeight(
+                jax.ShapeDtypeStruct((e, rows, cols), dtype),
+                jax.ShapeDtypeStruct((e, rows // b, cols // b), jnp.float32),
+                b,
+            )
+
+        weights = (weight(d, f), weight(d, f), weight(f, d))
+        args = (
+            jax.ShapeDtypeStruct((t, d), jnp.float32),
+            jax.ShapeDtypeStruct((t, k), jnp.float32),
+            jax.ShapeDtypeStruct((t, k), jnp.int32),
+            *weights,
+        )
+        forward = functools.partial(
+            expert_forward, hidden_act="silu", precision=None, matmul=matmul
+        )
+        stats = jax.jit(forward).lower(*args).compile().memory_analysis()
+        temps[jnp.dtype(dtype).name] = stats.temp_size_in_bytes
+    weight_bytes = 3 * e * d * f + 3 * e * (d // b) * (f // b) * 4
+    assert temps["int8"] < 0.1 * weight_bytes, (temps, weight_bytes)
+    f16_stacks = 3 * e * d * f * 2
+    assert temps["float8_e4m3fn"] - f16_stacks < 0.1 * weight_bytes, (temps, weight_bytes)
