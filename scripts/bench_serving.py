@@ -7,17 +7,24 @@
     python scripts/bench_serving.py --datasets alpaca --systems paged,orca-oracle \
         --workload parallel,beam --fanouts 2,4,6 --block-size 4   # n samples / n beams
     python scripts/bench_serving.py --replot docs/serving_benchmark.json --figures docs/figures
+    python scripts/bench_serving.py --datasets sharegpt --systems paged,orca-oracle,paged-control \
+        --rates-sharegpt 12,16,20 --duration-s 60 --repeats 5 --stop-factor 1000   # paired
 
 Requests arrive by a seeded Poisson process at each rate on the wall clock; every system
-(the paged engine and the contiguous-KV baselines under the Orca reservation policies
-max / pow2 / oracle) serves them with continuous batching, admitting a request only once
-it has arrived, under the same KV budget in bytes, with the same model, greedy, EOS
-ignored. Per request: latency = finish - arrival, normalized by its output tokens; a
+(the paged engine; the paper's Orca, i.e. the paged engine behind buddy-placed
+reservations under max / pow2 / oracle; a FasterTransformer-style static batch
+("static"); the dense-cache contiguous-KV engine; and "paged-control", the paged engine
+in a second worker, whose ratio to the first is the noise floor) serves them, admitting
+a request only once it has arrived, under the same KV budget in bytes, with the same
+model, greedy, EOS ignored. Per request: latency = finish - arrival, normalized by its output tokens; a
 point is the mean over the trace, repeated --repeats times (seeds differ), systems
 interleaved and rotated within a repeat. A system stops at the first rate whose median
 exceeds --stop-factor x the bound. The bound is --latency-factor x the largest
 unloaded latency (each system's median at the lowest rate); a system's sustained rate
-is the highest rate under it (interpolated). Every system runs in its own worker process
+is the highest rate under it (interpolated). Repeats are paired (every system serves a
+repeat's arrivals): per repeat the ratios paged / other of sustained rates and other /
+paged of latency at each rate are reported with a 95% t interval, beside the
+time-averaged batch size (mean requests running over the run's wall clock). Every system runs in its own worker process
 (paged_jax.baselines.serving_worker). Outputs of every run must equal the paged engine's
 (same trace): any mismatch exits non-zero after writing the JSON. docs/serving_benchmark.md.
 """
@@ -42,6 +49,7 @@ from paged_jax.baselines.serving import (
     FANOUT_KINDS,
     PAGED,
     analyze_curves,
+    paired_analysis,
     plot_fanout_curves,
     plot_latency_curves,
     system_curves,
@@ -63,16 +71,22 @@ SYSTEMS = (
     "contiguous-oracle",
     "contiguous-pow2",
     "contiguous-max",
+    "static",
+    "paged-control",
 )
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 NAMES = {s: (PAGED if s == "paged" else s) for s in SYSTEMS}
 DEFAULT_RATES = {"sharegpt": "1,2,4,6,8,10,12,16,20", "alpaca": "4,8,16,24,32,40,48,64"}
-PAPER_RATIOS = {
+# The paper's ShareGPT figures (OPT-13B, Figure 12 and its text); its Alpaca panels give
+# curves, not one range: the doc reads them per trace.
+PAPER_RATIOS_SHAREGPT = {
     "orca-oracle": "1.7-2.7x",
     "orca-max": "2.7-8x",
     "contiguous-oracle": "1.7-2.7x",
     "contiguous-max": "2.7-8x",
+    "static": "up to 22x",
 }
+PAPER_RATIOS = PAPER_RATIOS_SHAREGPT
 
 
 def _float_list(p: argparse.ArgumentParser, flag: str, text: str) -> list[float]:
@@ -146,7 +160,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=7.5,
         help="KV budget = this many max_model_len reservations (same bytes for every system)",
     )
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="paged block size (default: 16 x --scale, the paper's 16 at full lengths)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="paged and pow2/oracle rows")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--no-async-scheduling", action="store_true")
@@ -230,6 +249,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if not 0 < args.scale <= 1:
         p.error(f"--scale={args.scale} must be in (0, 1]")
+    if args.block_size is None:
+        args.block_size = max(1, round(16 * args.scale))
+    if args.block_size < 1:
+        p.error(f"--block-size={args.block_size} must be >= 1")
     return args
 
 
@@ -377,6 +400,7 @@ def sweep(
                     flush=True,
                 )
                 points.append({"system": name, "trace": trace, "repeat": rep, "kind": kind, **s})
+                points[-1]["loadavg_1min"] = round(os.getloadavg()[0], 2)
                 if kind != "plain":
                     points[-1]["fanout"] = fanout
                 runs.append((name, n, res["outputs"]))
@@ -456,7 +480,8 @@ def plan_text(args: argparse.Namespace, plan: dict[str, Any]) -> str:
         f"max_model_len {plan['max_model_len']} (scale {args.scale:g} of {PAPER_MAX_MODEL_LEN})",
         f"KV budget: {plan['kv_budget_tokens']} token slots = {plan['kv_budget_bytes']} bytes "
         f"({plan['kv_budget_max_len_requests']:.2f} max-length requests)",
-        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}",
+        f"block size {args.block_size}, max_num_seqs {args.max_num_seqs}, "
+        f"max_num_batched_tokens {args.max_num_batched_tokens}",
         f"repeats {args.repeats}; unloaded point: {args.unloaded_requests} requests one at a time",
     ]
     for name, rates in args.rates.items():
@@ -478,12 +503,20 @@ def build_report(
     for name, spec in plan["traces"].items():
         res = results.get(name, {})
         curves = system_curves(res.get("points", []))
+        analysis = analyze_curves(curves, args.latency_factor) if curves else None
+        paired = {}
+        if analysis:
+            for a in (analysis["main"], *analysis["sensitivity"]):
+                paired[f"{a['factor']:g}x"] = paired_analysis(
+                    res.get("points", []), a["bound_s_per_token"]
+                )
         entry = {
             "spec": spec,
             "summary": trace_summary(build_trace(spec)),
             "rates": args.rates[name],
             "curves": curves,
-            "analysis": analyze_curves(curves, args.latency_factor) if curves else None,
+            "analysis": analysis,
+            "paired": paired,
             "output_check": res.get("check", {}),
             "num_mismatched_outputs": sum(
                 res.get("check", {}).get(k, 0) for k in ("mismatched", "missing")
@@ -500,6 +533,7 @@ def build_report(
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
             "loadavg_1min_at_start": round(os.getloadavg()[0], 2),
+            "loadavg_1min_at_end": round(os.getloadavg()[0], 2),
         },
         "model": {
             "preset": None if args.model else args.model_preset,
@@ -529,10 +563,35 @@ def ratio_text(report: dict[str, Any]) -> str:
             lines.append(f"  {system}: sustained {s['rate']:.2f}{more} req/s")
         for other, r in main["paged_over"].items():
             value = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-            paper = PAPER_RATIOS.get(other, "-")
+            paper = PAPER_RATIOS.get(other, "-") if name == "sharegpt" else "see the doc"
             flag = " (grid-censored)" if r["censored"] else ""
             lines.append(f"  paged / {other}: {value}{flag}  (paper {paper})")
+        paired = t.get("paired", {}).get(f"{main['factor']:g}x", {})
+        for other, e in paired.items():
+            vs = e.get("vs_reference")
+            if not vs:
+                continue
+            per = ", ".join(
+                "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}{'+' if r['censored'] else ''}"
+                for r in vs["sustained_ratio_per_repeat"]
+            )
+            iv = vs["sustained_ratio"]
+            shown = "no uncensored repeat" if iv is None else _interval_text(iv)
+            lines.append(f"  paged / {other} per repeat: {per}; {shown}")
+            for rate, lat in vs["latency_ratio_by_rate"].items():
+                lines.append(
+                    f"    latency {other} / paged at {float(rate):g} req/s: {_interval_text(lat)}"
+                )
+        for system, e in paired.items():
+            batch = ", ".join(f"{float(r):g}: {v:.1f}" for r, v in e["mean_running_median"].items())
+            lines.append(f"  {system} time-averaged batch by rate: {batch}")
     return "\n".join(lines)
+
+
+def _interval_text(iv: dict[str, Any]) -> str:
+    if iv["low"] is None:
+        return f"{iv['geomean']:.2f}x (n = 1)"
+    return f"{iv['geomean']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}] 95% (n = {iv['n']})"
 
 
 DISPLAY = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}

@@ -326,7 +326,9 @@ class ContiguousKVEngine:
     def reservation(self, req: TraceRequest) -> int:
         """Token slots the policy reserves for the request (its K/V: prompt + output - 1)."""
         kv_len = req.num_prompt_tokens + req.num_output_tokens - 1
-        return reservation_size(self.policy, kv_len, self.max_model_len)
+        return reservation_size(
+            self.policy, kv_len, self.max_model_len, output_len=req.num_output_tokens
+        )
 
     def add_request(self, req: TraceRequest) -> None:
         """Queues a request; its prompt + output must fit max_model_len."""

@@ -95,6 +95,17 @@ class OnlineRun:
     wall_s: float
     num_steps: int
     max_running: int
+    running_s: float = 0.0  # requests running x seconds, summed over steps
+
+    @property
+    def mean_running(self) -> float:
+        """Time-averaged batch size: requests running, averaged over the wall clock from
+        the first arrival to the last finish (idle time counts as 0)."""
+        if not self.records:
+            return 0.0
+        first = min(r.arrival_s for r in self.records)
+        last = max(r.finish_s for r in self.records)
+        return self.running_s / max(1e-9, last - first)
 
 
 def serve_online(
@@ -120,6 +131,7 @@ def serve_online(
     records: list[RequestRecord] = []
     outputs: dict[str, list[int]] = {}
     nxt = num_steps = max_running = 0
+    running_s = 0.0
     t0 = clock()
     while nxt < len(trace) or server.has_unfinished():
         now = clock() - t0
@@ -129,17 +141,20 @@ def serve_online(
         if not server.has_unfinished():
             sleep(max(0.0, float(arrivals[nxt]) - (clock() - t0)))
             continue
+        began = clock() - t0
         finished = server.step()
         num_steps += 1
         done = clock() - t0
-        max_running = max(max_running, server.num_running + len(finished))
+        batch = server.num_running + len(finished)  # the requests this step ran
+        max_running = max(max_running, batch)
+        running_s += batch * (done - began)
         for request_id, tokens in finished:
             i, req = by_id[request_id]
             outputs[request_id] = list(tokens)
             records.append(
                 RequestRecord(request_id, float(arrivals[i]), done, num_output_tokens(tokens))
             )
-    return OnlineRun(records, outputs, clock() - t0, num_steps, max_running)
+    return OnlineRun(records, outputs, clock() - t0, num_steps, max_running, running_s)
 
 
 def serve_unloaded(
@@ -168,7 +183,8 @@ def serve_unloaded(
                 records.append(
                     RequestRecord(request_id, arrival, clock() - t0, num_output_tokens(tokens))
                 )
-    return OnlineRun(records, outputs, clock() - t0, num_steps, 1)
+    busy = sum(r.latency_s for r in records)  # one request running at a time
+    return OnlineRun(records, outputs, clock() - t0, num_steps, 1, running_s=busy)
 
 
 def run_metrics(run: OnlineRun) -> dict[str, Any]:
@@ -189,6 +205,7 @@ def run_metrics(run: OnlineRun) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "num_steps": run.num_steps,
         "max_running": run.max_running,
+        "mean_running": run.mean_running,
     }
 
 
@@ -310,6 +327,111 @@ def analyze_curves(
         "main": at(factor),
         "sensitivity": [at(f) for f in sensitivity if f != factor],
     }
+
+
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+         9: 2.262, 10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131}  # fmt: skip
+
+
+def ratio_interval(ratios: Sequence[float]) -> dict[str, Any]:
+    """Geometric mean of paired ratios with a 95% t interval (on log ratios).
+
+    With n ratios the interval is exp(mean(log r) +- t(0.975, n - 1) x sd / sqrt(n));
+    one ratio has no interval (None bounds). Ratios must be > 0.
+    """
+    if not ratios or min(ratios) <= 0:
+        raise ValueError(f"ratios={list(ratios)!r} must be a non-empty list of numbers > 0")
+    logs = np.log(np.asarray(ratios, dtype=float))
+    n = len(logs)
+    center = float(np.exp(logs.mean()))
+    if n == 1:
+        return {"n": 1, "geomean": center, "low": None, "high": None}
+    t = _T975.get(n - 1, 1.96)
+    half = t * float(logs.std(ddof=1)) / math.sqrt(n)
+    return {
+        "n": n,
+        "geomean": center,
+        "low": float(np.exp(logs.mean() - half)),
+        "high": float(np.exp(logs.mean() + half)),
+    }
+
+
+def paired_analysis(
+    points: Sequence[dict[str, Any]], bound: float, reference: str = PAGED
+) -> dict[str, Any]:
+    """Per repeat, every system against `reference` on the same arrivals (paired).
+
+    For repeat k each system's curve is its run at every rate of that repeat (rate 0:
+    the unloaded run); its sustained rate under `bound` is read as sustained_rate does.
+    Per system: the per-repeat ratios reference / system of sustained rates (censored
+    ones flagged, left out of the interval), and at every loaded rate the per-repeat
+    ratios system / reference of mean normalized latency, each with ratio_interval; and
+    the time-averaged batch size (mean_running) per rate, median over the repeats.
+
+    Args:
+        points: one dict per run with "system", "repeat", "rate",
+            "mean_normalized_latency_s" and optionally "mean_running".
+        bound: the latency bound (s per token) the sustained rates are read under.
+        reference: the system every other is compared with.
+    """
+    runs: dict[str, dict[int, dict[float, dict[str, Any]]]] = {}
+    for p in points:
+        runs.setdefault(p["system"], {}).setdefault(int(p["repeat"]), {})[float(p["rate"])] = p
+    if reference not in runs:
+        return {}
+    out: dict[str, Any] = {}
+    for name, reps in runs.items():
+        sustained = {}
+        for rep, by_rate in sorted(reps.items()):
+            rates = sorted(by_rate)
+            rate, censored = sustained_rate(
+                rates, [by_rate[r]["mean_normalized_latency_s"] for r in rates], bound
+            )
+            sustained[rep] = {"rate": rate, "lower_bound_only": censored}
+        batch = {}
+        for rate in sorted({r for by_rate in reps.values() for r in by_rate}):
+            vals = [
+                b[rate]["mean_running"] for b in reps.values() if "mean_running" in b.get(rate, {})
+            ]
+            if vals:
+                batch[str(rate)] = statistics.median(vals)
+        out[name] = {"sustained_per_repeat": sustained, "mean_running_median": batch}
+    mine = runs[reference]
+    for name, reps in runs.items():
+        if name == reference:
+            continue
+        common = sorted(set(reps) & set(mine))
+        per_repeat = []
+        for rep in common:
+            a, b = (
+                out[reference]["sustained_per_repeat"][rep],
+                out[name]["sustained_per_repeat"][rep],
+            )
+            ratio = a["rate"] / b["rate"] if b["rate"] > 0 else None
+            per_repeat.append(
+                {
+                    "repeat": rep,
+                    "ratio": ratio,
+                    "censored": a["lower_bound_only"] or b["lower_bound_only"],
+                }
+            )
+        clean = [r["ratio"] for r in per_repeat if r["ratio"] is not None and not r["censored"]]
+        latency = {}
+        for rate in sorted({r for rep in common for r in reps[rep]} - {0.0}):
+            ratios = [
+                reps[rep][rate]["mean_normalized_latency_s"]
+                / mine[rep][rate]["mean_normalized_latency_s"]
+                for rep in common
+                if rate in reps[rep] and rate in mine[rep]
+            ]
+            if ratios:
+                latency[str(rate)] = {"per_repeat": ratios, **ratio_interval(ratios)}
+        out[name]["vs_reference"] = {
+            "sustained_ratio_per_repeat": per_repeat,
+            "sustained_ratio": ratio_interval(clean) if clean else None,
+            "latency_ratio_by_rate": latency,
+        }
+    return out
 
 
 def plot_latency_curves(
@@ -723,9 +845,11 @@ class ReservationServer:
     """Orca-style admission in front of another server: contiguous reservations, no paging.
 
     A request enters the inner server only once a contiguous run of token slots sized by
-    the policy (max_model_len, the next power of two of its KV length, or exactly that)
-    fits first-fit in an address space of `budget_tokens`; FCFS with head-of-line
-    blocking, as ContiguousKVEngine admits. The reservation is released when the inner
+    the policy (max_model_len, its prompt plus the next power of two of its output
+    length, or exactly its KV length) fits in an address space of `budget_tokens`,
+    placed by a buddy allocator (the paper's Orca: the run is rounded up to a power of
+    two) or first-fit (`placement`); FCFS with head-of-line blocking, as
+    ContiguousKVEngine admits. The reservation is released when the inner
     server returns the request. Wrapped around the paged engine with the same pool, in
     whole blocks (granularity = block_size, so the admitted requests' blocks always fit
     and it never preempts), this is the contiguous design on the same compute: one
@@ -750,8 +874,9 @@ class ReservationServer:
         granularity: int = 1,
         copies: int = 1,
         extra_kv_tokens: int = 0,
+        placement: str = "buddy",
     ):
-        from paged_jax.memory_study.allocators import POLICIES, FirstFitSpace
+        from paged_jax.memory_study.allocators import POLICIES, make_space
 
         if granularity < 1 or budget_tokens % granularity:
             raise ValueError(
@@ -770,7 +895,8 @@ class ReservationServer:
         self.inner, self.policy, self.max_model_len = inner, policy, max_model_len
         self.granularity = granularity
         self.copies, self.extra_kv_tokens = copies, extra_kv_tokens
-        self.space = FirstFitSpace(budget_tokens)
+        self.placement = placement
+        self.space = make_space(placement, budget_tokens)
         self.gate: collections.deque[TraceRequest] = collections.deque()
         self.starts: dict[str, list[int]] = {}
         self.max_reserved = 0
@@ -782,7 +908,9 @@ class ReservationServer:
         from paged_jax.memory_study.allocators import reservation_size
 
         kv_len = req.num_prompt_tokens + req.num_output_tokens - 1 + self.extra_kv_tokens
-        size = reservation_size(self.policy, kv_len, self.max_model_len)
+        size = reservation_size(
+            self.policy, kv_len, self.max_model_len, output_len=req.num_output_tokens
+        )
         return cdiv(size, self.granularity) * self.granularity
 
     def _admit(self) -> None:
@@ -829,7 +957,68 @@ class ReservationServer:
 
     def extra(self) -> dict[str, Any]:
         inner = self.inner.extra() if hasattr(self.inner, "extra") else {}
-        return {**inner, "policy": self.policy, "max_reserved_tokens": self.max_reserved}
+        return {
+            **inner,
+            "policy": self.policy,
+            "placement": self.placement,
+            "max_reserved_tokens": self.max_reserved,
+        }
+
+
+class StaticBatchServer:
+    """FasterTransformer-style static batching in front of another server: no
+    iteration-level scheduling.
+
+    At a step with the inner server idle, the earliest arrived requests, up to `batch_size`
+    (memory_study.allocators.static_batch_size: as many max_model_len reservations as
+    the budget holds, at most max_num_seqs), enter it together; no other request enters
+    until every one of them has finished and been returned. A finished request's slot
+    stays idle meanwhile.
+
+        time ->   batch 1: a b c (c the longest) | batch 2: d e f ...
+                  d arrives while b runs: it waits for c to finish
+    """
+
+    def __init__(
+        self, inner: Server, budget_tokens: int, max_model_len: int, max_num_seqs: int
+    ) -> None:
+        from paged_jax.memory_study.allocators import static_batch_size
+
+        self.inner, self.max_model_len = inner, max_model_len
+        self.batch_size = static_batch_size(budget_tokens, max_model_len, max_num_seqs)
+        self.gate: collections.deque[TraceRequest] = collections.deque()
+        self.num_batches = 0
+
+    def _admit(self) -> None:
+        if self.inner.has_unfinished() or not self.gate:
+            return
+        for _ in range(min(self.batch_size, len(self.gate))):
+            self.inner.add(self.gate.popleft())
+        self.num_batches += 1
+
+    def add(self, req: TraceRequest) -> None:
+        if req.num_prompt_tokens + req.num_output_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.num_prompt_tokens} + "
+                f"{req.num_output_tokens} tokens: must be <= max_model_len={self.max_model_len}"
+            )
+        self.gate.append(req)  # the batch forms at the next step, from all arrived
+
+    def step(self) -> list[tuple[str, list[int]]]:
+        self._admit()
+        assert self.inner.has_unfinished(), "step() called with nothing to serve"
+        return self.inner.step()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.gate) or self.inner.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return self.inner.num_running
+
+    def extra(self) -> dict[str, Any]:
+        inner = self.inner.extra() if hasattr(self.inner, "extra") else {}
+        return {**inner, "static_batch_size": self.batch_size, "num_batches": self.num_batches}
 
 
 FANOUT_KINDS = ("plain", "parallel", "beam")
@@ -860,6 +1049,8 @@ __all__ = [
     "num_output_tokens",
     "request_seed",
     "analyze_curves",
+    "paired_analysis",
+    "ratio_interval",
     "plot_fanout_curves",
     "plot_latency_curves",
     "system_curves",
@@ -869,6 +1060,7 @@ __all__ = [
     "RequestRecord",
     "ReservationServer",
     "Server",
+    "StaticBatchServer",
     "latency_bound",
     "make_server",
     "median_by_rate",

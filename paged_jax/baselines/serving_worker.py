@@ -24,6 +24,7 @@ from paged_jax.baselines.bench_worker import build_system
 from paged_jax.baselines.serving import (
     ReservationServer,
     Server,
+    StaticBatchServer,
     make_fanout_server,
     make_server,
     poisson_arrivals,
@@ -52,11 +53,29 @@ def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[..., Serve
 
     The factory takes (kind, fanout): "plain" (one sequence a request), "parallel"
     (fanout samples) or "beam" (fanout beams). "orca-<policy>" is the paged engine behind
-    a ReservationServer: spec["orca"] holds the engine's keywords and the reservation
-    budget in tokens (the pool's usable blocks x block_size), reserved token-exact, one
-    run per sample or beam.
+    a ReservationServer (buddy placement, the paper's Orca): spec["orca"] holds the
+    engine's keywords and the reservation budget in tokens (the pool's usable blocks x
+    block_size), one run per sample or beam. "static" is the same engine behind a
+    StaticBatchServer (FasterTransformer-style batches); "paged-control" is the paged
+    engine again, a second arm whose ratio to the first is the measurement's noise.
     """
     name = spec["system"]
+    if name == "paged-control":  # the paged engine again: a second arm shows the noise
+        name = "paged"
+        spec = {**spec, "system": "paged"}
+    if name == "static":
+        orca = dict(spec["orca"])
+        budget_tokens = orca.pop("reservation_budget_tokens")
+        system = build_system({**spec, "system": "paged", "paged": orca})
+
+        def static(kind: str = "plain", fanout: int = 1) -> Server:
+            if kind != "plain":
+                raise ValueError(f"kind={kind!r}: the static batch serves plain requests only")
+            return StaticBatchServer(
+                make_server(system), budget_tokens, orca["max_model_len"], orca["max_num_seqs"]
+            )
+
+        return system, static
     if not name.startswith("orca-"):
         system = build_system(spec)
 
@@ -82,6 +101,7 @@ def build_serving_system(spec: dict[str, Any]) -> tuple[Any, Callable[..., Serve
             orca["max_model_len"],
             copies=1 if kind == "plain" else fanout,
             extra_kv_tokens=1 if kind == "beam" else 0,
+            granularity=orca["block_size"],
         )
 
     return system, factory

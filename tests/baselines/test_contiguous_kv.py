@@ -55,17 +55,18 @@ def test_engine_reserves_max_model_len_per_request(tiny_llama):
 
 
 def test_pow2_and_oracle_reserve_by_policy_first_fit(tiny_llama):
-    # kv_len = prompt + output - 1: 5+4-1 = 8, 9+8-1 = 16, 20+13-1 = 32.
+    # kv_len = prompt + output - 1: 5+4-1 = 8, 9+8-1 = 16, 20+13-1 = 32; pow2 rounds
+    # the output: 5 + 4 = 9, 9 + 8 = 17, 20 + 16 = 36.
     trace = [_req(0, 5, 4), _req(1, 9, 8), _req(2, 20, 13)]
-    for policy, sizes in (("pow2", [8, 16, 32]), ("oracle", [8, 16, 32])):
+    for policy, sizes in (("pow2", [9, 17, 36]), ("oracle", [8, 16, 32])):
         engine = ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy=policy)
         assert [engine.reservation(r) for r in trace] == sizes
-    # 40 slots: pow2 fits 8 + 16, the 32-slot request waits until a reservation is freed.
+    # 40 slots: pow2 fits 9 + 17, the 36-slot request waits until a reservation is freed.
     engine = ContiguousKVEngine(tiny_llama, 40 * BYTES_PER_TOKEN, 64, policy="pow2")
     for r in trace:
         engine.add_request(r)
     engine.step()
-    assert engine.num_running == 2 and engine.reserved_tokens() == 24
+    assert engine.num_running == 2 and engine.reserved_tokens() == 26
     outs = {}
     while engine.has_unfinished():
         outs.update((o.request_id, o.token_ids) for o in engine.step())

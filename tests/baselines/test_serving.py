@@ -11,9 +11,12 @@ from paged_jax.baselines.serving import (
     OnlineRun,
     RequestRecord,
     ReservationServer,
+    StaticBatchServer,
     analyze_curves,
     latency_bound,
+    paired_analysis,
     poisson_arrivals,
+    ratio_interval,
     run_metrics,
     serve_online,
     sustained_rate,
@@ -96,6 +99,9 @@ def test_driver_adds_only_arrived_requests_and_measures_from_arrival():
     assert rec["r2"].normalized_latency_s == 1.0
     assert run.outputs["r2"] == [7, 7] and run.num_steps == 6
     assert run.max_running == 2  # at r0's last step: r1 waiting + r0 finishing
+    # Time-averaged: steps of 1 s running 1, 2, 1, 1 then (after the idle gap) 1, 1
+    # request(s), over 12 s from the first arrival to the last finish.
+    assert run.mean_running == pytest.approx(7 / 12)
     m = run_metrics(run)
     assert m["mean_normalized_latency_s"] == pytest.approx((0.5 + 0.875 + 1.0) / 3)
     assert m["num_output_tokens"] == 10 and m["served_requests_per_s"] == pytest.approx(3 / 12)
@@ -207,10 +213,11 @@ class Instant:
     [("max", ["a"]), ("pow2", ["a", "b"]), ("oracle", ["a", "b", "c"])],
 )
 def test_reservation_server_admits_by_policy(policy, admitted_first):
-    # KV lengths (prompt + output - 1) 3, 4, 2 in 9 slots, max_model_len 8: max reserves
-    # 8 (b waits, c waits behind it), pow2 4 + 4 (c's 2 does not fit), oracle 3 + 4 + 2.
+    # KV lengths (prompt + output - 1) 3, 4, 2 in 9 slots first-fit, max_model_len 8: max
+    # reserves 8 (b waits, c waits behind it), pow2 (prompt + pow2(output)) 2 + 2 and
+    # 3 + 2 (c's 1 + 2 does not fit), oracle 3 + 4 + 2.
     inner = Instant()
-    gate = ReservationServer(inner, policy, budget_tokens=9, max_model_len=8)
+    gate = ReservationServer(inner, policy, budget_tokens=9, max_model_len=8, placement="first-fit")
     reqs = [
         TraceRequest("a", (5, 5), 2),
         TraceRequest("b", (5, 5, 5), 2),
@@ -231,3 +238,81 @@ def test_reservation_server_admits_by_policy(policy, admitted_first):
     )
     with pytest.raises(ValueError, match="granularity=3 must be >= 1 and divide budget_tokens=8"):
         ReservationServer(Instant(), policy, budget_tokens=8, max_model_len=8, granularity=3)
+
+
+def test_reservation_server_places_by_buddy():
+    # Budget 9 = buddy roots of 8 and 1; oracle: a 3 -> 4 at [0,4), b 4 at [4,8), c 2 -> 2
+    # fits no free block (the 1-slot root) although first-fit would have had room.
+    inner = Instant()
+    gate = ReservationServer(inner, "oracle", budget_tokens=9, max_model_len=8)
+    for r in (
+        TraceRequest("a", (5, 5), 2),
+        TraceRequest("b", (5, 5, 5), 2),
+        TraceRequest("c", (5,), 2),
+    ):
+        gate.add(r)
+    assert inner.added == ["a", "b"] and gate.space.num_allocated == 8
+    assert gate.extra()["placement"] == "buddy"
+    gate.step()
+    assert inner.added == ["a", "b", "c"] and gate.space.num_allocated == 2
+
+
+def test_static_batch_server_forms_the_next_batch_only_when_one_ends():
+    # Budget 17, max_model_len 8: batches of 2. a, b, c arrive at once; a finishes at
+    # the first step, b at the second; c enters only after, d (arriving meanwhile) with it.
+    class Steps(Instant):
+        def step(self):
+            for r in self.live:
+                r[1] -= 1
+            done = [r for r, n in self.live if n == 0]
+            self.live = [[r, n] for r, n in self.live if n > 0]
+            return [(r.request_id, [1] * r.num_output_tokens) for r in done]
+
+        def add(self, req):
+            self.live.append([req, req.num_output_tokens])
+            self.added.append(req.request_id)
+
+    inner = Steps()
+    gate = StaticBatchServer(inner, budget_tokens=17, max_model_len=8, max_num_seqs=256)
+    assert gate.batch_size == 2
+    for name, out in (("a", 1), ("b", 2), ("c", 1)):
+        gate.add(TraceRequest(name, (5,), out))
+    assert inner.added == [] and gate.has_unfinished()  # the batch forms at a step
+    assert [r for r, _ in gate.step()] == ["a"] and inner.added == ["a", "b"]
+    gate.add(TraceRequest("d", (5,), 1))
+    assert [r for r, _ in gate.step()] == ["b"] and inner.added == ["a", "b"]
+    assert [r for r, _ in gate.step()] == ["c", "d"] and inner.added == ["a", "b", "c", "d"]
+    assert not gate.has_unfinished()
+    assert gate.extra()["num_batches"] == 2
+    with pytest.raises(ValueError, match="must be <= max_model_len=8"):
+        gate.add(TraceRequest("e", (5,) * 6, 3))
+    with pytest.raises(ValueError, match="kv_budget_tokens=7 must hold one max_model_len=8"):
+        StaticBatchServer(Steps(), budget_tokens=7, max_model_len=8, max_num_seqs=4)
+
+
+def test_paired_ratios_and_interval():
+    iv = ratio_interval([2.0, 2.0, 2.0])
+    assert (iv["geomean"], iv["low"], iv["high"]) == pytest.approx((2.0, 2.0, 2.0))
+    iv = ratio_interval([1.0, 4.0])  # log mean log 2, sd log 4 / sqrt 2, t(1) 12.706
+    half = 12.706 * (np.log(4.0) / np.sqrt(2)) / np.sqrt(2)
+    assert iv["geomean"] == pytest.approx(2.0) and iv["high"] == pytest.approx(2 * np.exp(half))
+    assert ratio_interval([3.0])["low"] is None
+    with pytest.raises(ValueError, match="ratios=\\[\\] must be a non-empty list"):
+        ratio_interval([])
+    # Two repeats; bound 10: paged crosses it halfway from 2 to 4 req/s in log latency
+    # (5 -> 20), orca from 0 to 2 at rep 0 (2.5 -> 40) and at 2 -> 4 at rep 1.
+    pts = []
+    for rep, (paged, orca) in enumerate((((2.5, 5.0, 20.0), (2.5, 40.0, 80.0)),
+                                         ((2.5, 5.0, 20.0), (2.5, 5.0, 20.0)))):  # fmt: skip
+        for rate, p_lat, o_lat in zip((0.0, 2.0, 4.0), paged, orca):
+            pts.append({"system": "paged-jax", "repeat": rep, "rate": rate,
+                        "mean_normalized_latency_s": p_lat, "mean_running": rate})  # fmt: skip
+            pts.append({"system": "orca-oracle", "repeat": rep, "rate": rate,
+                        "mean_normalized_latency_s": o_lat, "mean_running": rate / 2})  # fmt: skip
+    out = paired_analysis(pts, bound=10.0)
+    vs = out["orca-oracle"]["vs_reference"]
+    assert [r["ratio"] for r in vs["sustained_ratio_per_repeat"]] == pytest.approx([3.0 / 1.0, 1.0])
+    assert vs["sustained_ratio"]["geomean"] == pytest.approx(np.sqrt(3.0))
+    assert vs["latency_ratio_by_rate"]["2.0"]["per_repeat"] == pytest.approx([8.0, 1.0])
+    assert out["orca-oracle"]["mean_running_median"] == {"0.0": 0.0, "2.0": 1.0, "4.0": 2.0}
+    assert out["paged-jax"]["sustained_per_repeat"][0]["rate"] == pytest.approx(3.0)

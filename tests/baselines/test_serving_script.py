@@ -23,11 +23,11 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
     out, figs = tmp_path / "serving.json", tmp_path / "figs"
     argv = [
         "--model", str(tiny_hf_checkpoint("llama")),
-        "--systems", "paged,orca-max,contiguous-max",
+        "--systems", "paged,orca-max,contiguous-max,static",
         "--datasets", "alpaca", "--scale", "0.0625",
         "--duration-s", "0.1", "--unloaded-requests", "2",
         "--rates-alpaca", "40,400", "--repeats", "2",
-        "--budget-max-requests", "2", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+        "--budget-max-requests", "2", "--block-size", "4", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
         "--output", str(out), "--figures", str(figs),
     ]  # fmt: skip
     assert _load_script().main(argv) == 0
@@ -35,7 +35,7 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
     trace = report["traces"]["alpaca"]
     assert report["num_mismatched_outputs"] == 0 and report["plan"]["max_model_len"] == 128
     assert trace["greedy_output_agreement"]["paged-jax"][0] == 2  # the unloaded run
-    assert set(trace["curves"]) == {"paged-jax", "orca-max", "contiguous-max"}
+    assert set(trace["curves"]) == {"paged-jax", "orca-max", "contiguous-max", "static"}
     assert trace["output_check"]["compared"] > 0 and trace["output_check"]["missing"] == 0
     sizes = {p["rate"]: p["num_requests"] for p in trace["points"]}
     assert sizes == {0.0: 2, 40.0: 4, 400.0: 40}  # rate x duration
@@ -44,11 +44,19 @@ def test_bench_serving_tiny_run(tiny_hf_checkpoint, tmp_path):
     main = trace["analysis"]["main"]
     assert main["bound_s_per_token"] > 0 and "contiguous-max" in main["paged_over"]
     paged_like = [p for p in trace["points"] if "num_compiles_after_warmup" in p]
-    assert {p["system"] for p in paged_like} == {"paged-jax", "orca-max"}
+    assert {p["system"] for p in paged_like} == {"paged-jax", "orca-max", "static"}
     assert all(p["num_compiles_after_warmup"] == 0 for p in paged_like)
     assert all(p["num_preemptions"] == 0 for p in paged_like if p["system"] == "orca-max")
     orca = [p for p in trace["points"] if p["system"] == "orca-max"]
     assert max(p["max_running"] for p in orca) <= 2  # budget: 2 max-length reservations
+    static = [p for p in trace["points"] if p["system"] == "static"]
+    assert max(p["max_running"] for p in static) <= 2 and static[0]["static_batch_size"] == 2
+    assert all(0 < p["mean_running"] <= p["max_running"] for p in trace["points"])
+    paired = trace["paired"]["4x"]  # per-repeat ratios at the main bound, 2x and 8x too
+    assert set(trace["paired"]) == {"2x", "4x", "8x"}
+    per_repeat = paired["static"]["vs_reference"]["sustained_ratio_per_repeat"]
+    assert [r["repeat"] for r in per_repeat] == [0, 1]
+    assert set(paired["orca-max"]["vs_reference"]["latency_ratio_by_rate"]) == {"40.0", "400.0"}
     assert (figs / "serving_alpaca.png").stat().st_size > 0
 
 
