@@ -49,7 +49,8 @@ def plot_breakdown(study: Study, path: pathlib.Path) -> None:
     """Figure-2-style stacked bars: mean share of the KV budget per category, under load."""
     plt = _plt()
     names = list(study.base)
-    fig, axes = plt.subplots(len(names), 1, figsize=(9, 2.2 + 0.55 * 6 * len(names)))
+    rows = max(len(r) for r in study.base.values())
+    fig, axes = plt.subplots(len(names), 1, figsize=(9, 2.2 + 0.55 * rows * len(names)))
     axes = np.atleast_1d(axes)
     for ax, name in zip(axes, names):
         runs = study.base[name]
