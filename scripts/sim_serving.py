@@ -33,6 +33,9 @@ def _git(*args: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="JSON path")
+    parser.add_argument(
+        "--tables-only", action="store_true", help="print the tables of an existing --output JSON"
+    )
     parser.add_argument("--figures", default=None, help="folder for serving_sim_latency.png")
     parser.add_argument("--datasets", default="sharegpt,alpaca", help="comma-separated traces")
     parser.add_argument(
@@ -52,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from paged_jax.memory_study import serving_study
 
+    if args.tables_only:
+        print(serving_study.markdown_tables(json.loads(pathlib.Path(args.output).read_text())))
+        return 0
     settings = dataclasses.replace(
         serving_study.SimStudySettings(),
         datasets=tuple(args.datasets.split(",")),
@@ -61,13 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         flops_scales=tuple(float(x) for x in args.flops_scales.split(",") if x),
         seed=args.seed,
     )
+    commit = _git("rev-parse", "--short", "HEAD")  # read before the run: what it ran
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     t0 = time.perf_counter()
     summary = serving_study.run_study(settings, progress=lambda m: print(m, flush=True))
     summary["run"] = {
         "command": "python "
         + shlex.join(["scripts/sim_serving.py", *(sys.argv[1:] if argv is None else argv)]),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "uncommitted_changes": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "commit": commit,
+        "uncommitted_changes": dirty,
         "wall_s": time.perf_counter() - t0,
     }
     tables = serving_study.markdown_tables(summary)
