@@ -129,3 +129,33 @@ def test_bisection_finds_a_known_threshold():
     assert bisect_rate(lambda r: 1.0, 2.0, 1.0, max_rate=30.0)[0] == 30.0
     with pytest.raises(ValueError, match=r"bound=0"):
         bisect_rate(latency, 0, 1.0)
+
+
+def test_study_end_to_end_on_a_tiny_trace():
+    """run_study's shape on 3 s of Alpaca: every system gets a rate at every bound, the
+    ratios are paged's rate over each, and the tables print every row."""
+    from paged_jax.memory_study import serving_study
+
+    settings = serving_study.SimStudySettings(
+        datasets=("alpaca",),
+        duration_s=3.0,
+        other_factors=(8.0,),
+        overhead_scales=(2.0,),
+        flops_scales=(),
+        rel_tol=1.0,
+        sensitivity_rel_tol=1.0,
+        num_unloaded=10,
+        trace_requests={"alpaca": 2000},
+    )
+    summary = serving_study.run_study(settings)
+    res = summary["traces"]["alpaca"]
+    assert [b["factor"] for b in res["bounds"]] == [4.0, 8.0]
+    main = res["bounds"][0]
+    for system in sim.SYSTEMS:
+        assert main["sustained"][system] > 0, system
+        assert res["points"][system], system
+    for system, ratio in main["paged_over"].items():
+        assert ratio == pytest.approx(main["sustained"]["paged"] / main["sustained"][system])
+    assert res["sensitivity"][0]["overhead_s"] == pytest.approx(2 * sim.STEP_OVERHEAD_S)
+    tables = serving_study.markdown_tables(json.loads(json.dumps(summary)))
+    assert "| alpaca | 4x |" in tables and "overhead 10 ms" in tables and "Fig. 13" in tables
