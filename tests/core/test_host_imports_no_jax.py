@@ -26,6 +26,7 @@ OTHER_HOST_MODULES = [
     "paged_jax.entrypoints.demo",
     "paged_jax.entrypoints.demo_prompts",
     "paged_jax.entrypoints.generate_cli",
+    "paged_jax.memory_study.serving_study",  # imports serving_sim and baselines.serving
 ]
 
 
