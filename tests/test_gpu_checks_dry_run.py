@@ -295,7 +295,9 @@ def test_rehearsed_smoke_cell_folds_into_summary_json(tmp_path):
     assert smoke["versions"]["jax"] and smoke["decode"]["agrees"]
     assert 0 <= smoke["metrics"]["decode_max_abs_err"] <= smoke["decode"]["tolerance"]
     assert smoke["metrics"]["copy_gbps"] > 0
-    assert re.search(r"smoke\s+\d+\s+\d+\s+40\s+ok\s+copy_gbps=\S+, decode_max_abs_err=", run.stdout)
+    assert re.search(
+        r"smoke\s+\d+\s+\d+\s+40\s+ok\s+copy_gbps=\S+, decode_max_abs_err=", run.stdout
+    )
 
 
 def python_with_pytest_timeout() -> str:
