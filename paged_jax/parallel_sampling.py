@@ -72,6 +72,8 @@ class ParallelSampleRequest:
         priority: the parent's scheduling priority, passed on to its requests.
         cache_salt: the parent's prefix-cache salt, passed on to its requests.
         block_extra_keys: the parent's per-block hash keys, passed on to its requests.
+        adapter_id: the parent's LoRA adapter id (None: the base model), passed on to its
+            requests, so its carrier and samples run with the adapter and hash with it.
         prompt_embeds: the parent's prompt embeddings (f32[P, hidden], checked by the
             engine), passed on to its requests; None for a token prompt.
 
@@ -92,6 +94,7 @@ class ParallelSampleRequest:
         priority: int = 0,
         cache_salt: str | None = None,
         block_extra_keys: tuple[bytes, ...] = (),
+        adapter_id: int | str | None = None,
         prompt_embeds: Any = None,
     ) -> None:
         assert params.n > 1, "an n == 1 request is a plain request, never a parent"
@@ -102,6 +105,7 @@ class ParallelSampleRequest:
         self.priority = priority
         self.cache_salt = cache_salt
         self.block_extra_keys = block_extra_keys
+        self.adapter_id = adapter_id
         self.prompt_embeds = prompt_embeds
         self.samples = [(f"{request_id}_{j}", sample_params(params, j)) for j in range(params.n)]
         self.carrier_id = request_id + CARRIER_SUFFIX if len(self.prompt_token_ids) >= 2 else None
@@ -238,6 +242,7 @@ class ParallelSampling:
             priority=req.priority,
             cache_salt=req.cache_salt,
             block_extra_keys=req.block_extra_keys,
+            adapter_id=req.adapter_id,
             prompt_embeds=prompt_embeds,
         )
         for rid in parent.request_ids:
@@ -279,6 +284,7 @@ class ParallelSampling:
             params,
             cache_salt=parent.cache_salt,
             block_extra_keys=parent.block_extra_keys,
+            adapter_id=parent.adapter_id,
             priority=parent.priority,
             arrival_time=arrival_time,
             skip_reading_prefix_cache=prompt is not None and prompt.num_cacheable_tokens == 0,

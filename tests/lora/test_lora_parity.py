@@ -124,3 +124,18 @@ def test_adapter_errors_leave_the_engine_serving(served, tmp_path):
     with pytest.raises(ValueError, match=r"prompts\[1\]: LoRA adapter 'missing' .*adapter_config"):
         llm.generate([[5, 6, 7], [5, 6, 7]], lora_request=[None, bad], use_tqdm=False)
     check(llm, expected, prompts(3, 1), [loras["attn8"]])
+
+
+def test_parallel_samples_keep_their_adapter(served):
+    """An n > 1 request runs its carrier (the shared prompt prefill) and every sample with
+    the request's adapter: greedy samples equal that adapter's peft model, as an n == 1
+    request does, beside a base-model request in the same batch."""
+    llm, loras, expected = served
+    batch = prompts(3, 2)
+    per_prompt = [loras["all64"], None]
+    params = SamplingParams(n=2, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(batch, params, lora_request=per_prompt, use_tqdm=False)
+    for prompt, lora, out in zip(batch, per_prompt, outs):
+        tokens, _ = expected(lora, prompt)
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens], lora
+    assert llm.engine.get_stats()["num_compiles_after_warmup"] == 0
