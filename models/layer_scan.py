@@ -196,6 +196,34 @@ def _stack_leaves(leaves: Sequence[jax.Array], release: bool) -> jax.Array:
     return out
 
 
+def _stack_indexing_paths(graphdef: Any, stacked: Any) -> tuple[tuple[Any, ...], ...]:
+    """Paths of the modules in a stacked layer state that index the layer stack themselves
+    (``indexes_layer_stack``, e.g. block-wise QuantizedExperts: their inner loop over row
+    tiles slices each tile's expert from the whole stack, so the scan must not slice out
+    the layer, which XLA would copy whole to feed that loop)."""
+    module = nnx.merge(graphdef, stacked)  # trace-time only: stacked arrays, layer graph
+    return tuple(
+        path
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Module) and getattr(node, "indexes_layer_stack", False)
+    )
+
+
+def _under(paths: tuple[tuple[Any, ...], ...]) -> Any:
+    """An nnx filter: the state leaves under any of `paths`."""
+    return lambda path, _value: any(path[: len(p)] == p for p in paths)
+
+
+def _bind_layer(layer: Any, paths: tuple[tuple[Any, ...], ...], index: jax.Array) -> None:
+    """Replaces each module at `paths` in the (trace-local) `layer` by its ``bind_layer(index)``."""
+    for path in paths:
+        parent = layer
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        module = getattr(parent, path[-1])
+        setattr(parent, path[-1], module.bind_layer(index))
+
+
 @dataclasses.dataclass(frozen=True)
 class StackedLayers:
     """A model's layer weights as the scan takes them (a pytree: the states are its leaves).
@@ -292,13 +320,24 @@ class StackedLayers:
             )
             return x, k_cache, v_cache
 
+        # Modules that index the layer stack themselves (block-wise experts) get their
+        # stacks whole, outside the scan's inputs; the others' weights are sliced per step.
+        whole_paths = [_stack_indexing_paths(g, st) for g, st in zip(self.graphdefs, self.stacked)]
+        whole, sliced = zip(
+            *(
+                nnx.split_state(st, _under(paths), ...)
+                for st, paths in zip(self.stacked, whole_paths)
+            )
+        )
+
         def body(carry, xs):
             x, k_cache, v_cache, hook_state = carry
             states, step_tensors, step_scales, step_lora, step = xs
             # A fresh plan cache per traced body: a plan traced here must not leak out.
             body_ops = ops.for_step()
             for j in range(p):
-                layer = nnx.merge(self.graphdefs[j], states[j])
+                layer = nnx.merge(self.graphdefs[j], nnx.merge_state(whole[j], states[j]))
+                _bind_layer(layer, whole_paths[j], step)
                 if lora is not None:
                     layer = lora.wrap(layer, {m: (a[j], b[j]) for m, (a, b) in step_lora.items()})
                 scale = None if step_scales is None else step_scales[j]
@@ -316,7 +355,7 @@ class StackedLayers:
             body,
             (x, k_cache, v_cache, hook_state),
             (
-                self.stacked,
+                sliced,
                 tensors[: p * n].reshape(n, p),
                 scanned_scales,
                 None if lora is None else lora.scanned(p, n),

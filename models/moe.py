@@ -316,12 +316,21 @@ def expert_parallel_forward(
         out = expert_forward(x, weights, experts, gate, up, down, first_expert=first, **static)
         return jax.lax.psum(out, TP_AXIS)
 
-    # The experts axis leads every leaf (8-bit weights and their scales alike).
+    # The experts axis leads every leaf (8-bit weights and their scales alike), after the
+    # layer axis of a scan's whole stacks (QuantizedExpertWeight.layer).
     rep, split = PartitionSpec(), PartitionSpec(TP_AXIS)
+
+    def spec(w: Any) -> Any:
+        if getattr(w, "layer", None) is None:
+            return split
+        return dataclasses.replace(
+            w, q=PartitionSpec(None, TP_AXIS), scale=PartitionSpec(None, TP_AXIS), layer=rep
+        )
+
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(rep, rep, rep, split, split, split),
+        in_specs=(rep, rep, rep, *map(spec, params)),
         out_specs=rep,
         check_vma=False,
     )(x, weights, experts, *params)

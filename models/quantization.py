@@ -53,6 +53,7 @@ from paged_jax.models.layers import matmul_precision
 __all__ = [
     "QUANTIZATIONS",
     "QUANTIZED_DTYPES",
+    "ExpertStackLayer",
     "QuantizedExpertWeight",
     "QuantizedEmbed",
     "QuantizedExperts",
@@ -153,19 +154,32 @@ class QuantizedExpertWeight:
 
     A pytree, so the grouped matmul gathers a tile's expert (``jax.tree.map(take)``) and
     shard_map splits the experts axis of both leaves alike.
+
+    ``layer`` (block-wise only; i32[]): q and scale are a layer scan's whole stacks, q
+    [L, G, in, out] and scale [L, G, ...], and this weight is layer ``layer`` of them. The
+    tile loop then slices each tile's expert straight out of the stack: a per-layer slice
+    [G, in, out] fed to the loop would be copied whole (ExpertStackLayer).
     """
 
     q: jax.Array
     scale: jax.Array
     block_size: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.q.shape
+        """[G, in, out] (one layer's, also when q holds the layer stack)."""
+        return self.q.shape if self.layer is None else self.q.shape[1:]
+
+    def expert(self, g: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q [in, out], scale) of expert g (of layer ``layer`` when set)."""
+        if self.layer is None:
+            return self.q[g], self.scale[g]
+        return self.q[self.layer, g], self.scale[self.layer, g]
 
 
 jax.tree_util.register_dataclass(
-    QuantizedExpertWeight, data_fields=["q", "scale"], meta_fields=["block_size"]
+    QuantizedExpertWeight, data_fields=["q", "scale", "layer"], meta_fields=["block_size"]
 )
 
 
@@ -221,7 +235,7 @@ def tile_matmul(x: jax.Array, w: Any, tile_expert: jax.Array, **dot: Any) -> jax
 
     def one_tile(args: tuple[jax.Array, jax.Array]) -> jax.Array:  # f[m, d], i32[] -> f[m, f]
         tile, expert = args
-        weight = dequantize(w.q[expert], w.scale[expert], w.block_size).astype(tile.dtype)
+        weight = dequantize(*w.expert(expert), w.block_size).astype(tile.dtype)
         return jnp.dot(tile, weight, **dot)
 
     return jax.lax.map(one_tile, (x, tile_expert))
@@ -257,14 +271,42 @@ class QuantizedExperts(nnx.Module):
             )
             setattr(self, f"{name}_scale", nnx.Param(jnp.ones(scale, jnp.float32)))
 
-    def weights(self) -> tuple[QuantizedExpertWeight, ...]:
-        """(gate, up, down) as the grouped matmul takes them."""
+    def weights(self, layer: jax.Array | None = None) -> tuple[QuantizedExpertWeight, ...]:
+        """(gate, up, down) as the grouped matmul takes them (``layer``: see
+        ExpertStackLayer)."""
         return tuple(
             QuantizedExpertWeight(
-                getattr(self, n)[...], getattr(self, f"{n}_scale")[...], self.block_size
+                getattr(self, n)[...], getattr(self, f"{n}_scale")[...], self.block_size, layer
             )
             for n in EXPERT_PROJECTIONS
         )
+
+    @property
+    def indexes_layer_stack(self) -> bool:
+        """Whether a layer scan passes this module's stacks whole (block-wise experts) and
+        binds the layer with `bind_layer`, instead of slicing one layer's weights."""
+        return self.block_size is not None
+
+    def bind_layer(self, layer: jax.Array) -> ExpertStackLayer:
+        """Layer ``layer`` of this module, whose params hold a layer scan's whole stacks."""
+        return ExpertStackLayer(self, layer)
+
+
+class ExpertStackLayer:
+    """One layer of block-wise QuantizedExperts whose params hold every scanned layer
+    ([L, E, ...], models.layer_scan): what the scanned body calls in the module's place.
+
+    A scan that slices the layer's expert stacks out of its inputs feeds that slice to the
+    inner loop over row tiles, and XLA copies it whole per layer (one layer's 8-bit experts,
+    576 MiB at Qwen3-30B-A3B's shape); here each tile slices its expert from the stack.
+    Plain Python (not an nnx Module): it lives only inside one traced step.
+    """
+
+    def __init__(self, experts: QuantizedExperts, layer: jax.Array):
+        self.experts, self.layer = experts, layer
+
+    def weights(self) -> tuple[QuantizedExpertWeight, ...]:
+        return self.experts.weights(self.layer)
 
 
 class QuantizedLinear(nnx.Module):

@@ -367,17 +367,23 @@ def test_executable_cache_key_tells_quantizations_apart(tiny_hf_checkpoint):
     assert len(set(signatures.values())) == 3
 
 
-def test_block_fp8_moe_checkpoint_equals_dequantized_transformers(
-    tiny_hf_checkpoint, tmp_path_factory
-):
+@pytest.fixture(scope="module")
+def block_fp8_moe_checkpoint(tiny_hf_checkpoint, tmp_path_factory):
+    """A tiny Qwen3-MoE quantized block-wise (16 x 16 tiles) as transformers' fine-grained
+    fp8: (its path, the float checkpoint's, the dequantized weights)."""
+    pytest.importorskip("torch", reason="the checkpoint is written from torch tensors")
+    src = tiny_hf_checkpoint("qwen3_moe")
+    dst = tmp_path_factory.mktemp("qwen3_moe_fp8_block")
+    return dst, src, _write_block_fp8(src, dst, 16)
+
+
+def test_block_fp8_moe_checkpoint_equals_dequantized_transformers(block_fp8_moe_checkpoint):
     """Qwen3-MoE in block-wise fp8 (16 x 16 tiles): experts kept 8-bit with their block
     scales; transformers' fused experts (gate_up_proj f[E, 2F, D]: gate rows, then up)
     get the dequantized per-expert weights."""
     torch = pytest.importorskip("torch", reason="transformers' model is the reference")
 
-    src = tiny_hf_checkpoint("qwen3_moe")
-    dst = tmp_path_factory.mktemp("qwen3_moe_fp8_block")
-    dequantized = _write_block_fp8(src, dst, 16)
+    dst, src, dequantized = block_fp8_moe_checkpoint
     model = load_model(dst)
     experts = model.layers[0].mlp.experts
     assert isinstance(experts, QuantizedExperts) and experts.block_size == 16
@@ -401,6 +407,98 @@ def test_block_fp8_moe_checkpoint_equals_dequantized_transformers(
 
     want = _hf_logits_with(src, replace)
     np.testing.assert_allclose(np.asarray(model(IDS)), want, atol=1e-4, rtol=0)
+
+
+def test_scanned_block_fp8_experts_index_the_layer_stack(block_fp8_moe_checkpoint):
+    """With the layers scanned, block-wise fp8 experts enter the scan whole ([L, E, ...])
+    and each row tile slices its expert out of that stack: the scan never slices out one
+    layer's expert stack, which XLA copied whole to feed the loop over tiles (576 MiB a
+    layer at Qwen3-30B-A3B's shape; docs/quantization.md). Greedy decode and prompt
+    logprobs equal the unrolled engine's."""
+    import re
+
+    from paged_jax.llm import LLM
+    from paged_jax.models.layer_scan import _stack_indexing_paths
+    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.worker.input_batch import InputBatch
+
+    path = block_fp8_moe_checkpoint[0]
+    kw = dict(
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=32,
+        attention_backend="reference",
+    )
+    llms = {scan: LLM(path, scan_layers=scan, **kw) for scan in ("on", "off")}
+    runner = llms["on"].engine.runner
+    stacked = runner.layer_scan
+    assert stacked is not None and runner.config.quantization is None  # the checkpoint's fp8
+    paths = [_stack_indexing_paths(g, s) for g, s in zip(stacked.graphdefs, stacked.stacked)]
+    assert paths == [(("mlp", "experts"),)]
+    # The lowered step slices only single experts ([1, 1, in, out]) out of the 8-bit expert
+    # stacks, never a layer's [1, E, in, out] (the tiny model: E = 8, in/out 64 and 32).
+    step = InputBatch(runner.config).dummy_step_input(8, 4, decode_only=True)
+    text = runner.jitted_step.lower(*runner.step_args(step)).as_text()
+    f8 = r"tensor<(\d+)x(\d+)x(?:64x32|32x64)xf8E4M3FN>"
+    slices = re.findall(r"stablehlo\.dynamic_slice.*-> " + f8, text)
+    assert slices and set(slices) == {("1", "1")}, set(slices)
+
+    prompt = IDS[0].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0)
+    outs = {s: llm.generate([prompt], params, use_tqdm=False)[0] for s, llm in llms.items()}
+    assert outs["on"].outputs[0].token_ids == outs["off"].outputs[0].token_ids
+    got, want = (
+        [lp[t].logprob for lp, t in zip(outs[s].prompt_logprobs[1:], prompt[1:])]
+        for s in ("on", "off")
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+_LAYER_OF_STACK_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from paged_jax.models.moe import expert_forward, expert_parallel_forward
+from paged_jax.models.quantization import QuantizedExpertWeight
+from paged_jax.worker.sharding import make_mesh
+mesh = make_mesh(2)
+L, E, D, F, b, T, k = 2, 8, 64, 32, 16, 6, 2
+rng = np.random.default_rng(0)
+def stacks(rows, cols):
+    q = jnp.asarray(rng.integers(-127, 128, (L, E, rows, cols)), jnp.int8)
+    return q, jnp.asarray(rng.random((L, E, rows // b, cols // b)) * 0.01, jnp.float32)
+ws = [stacks(D, F), stacks(D, F), stacks(F, D)]
+x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+experts = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+static = dict(hidden_act="silu", precision="highest", matmul="tiled")
+put = lambda a: jax.device_put(a, NamedSharding(mesh, P(None, "tp")))
+for layer in range(L):
+    sliced = [QuantizedExpertWeight(q[layer], s[layer], b) for q, s in ws]
+    want = np.asarray(expert_forward(x, weights, experts, *sliced, **static))
+    layered = [QuantizedExpertWeight(put(q), put(s), b, jnp.int32(layer)) for q, s in ws]
+    one = jax.jit(lambda *w: expert_forward(x, weights, experts, *w, **static))(*layered)
+    split = jax.jit(lambda *w: expert_parallel_forward(mesh, x, weights, experts, *w, **static))
+    np.testing.assert_array_equal(np.asarray(one), want)
+    np.testing.assert_array_equal(np.asarray(split(*layered)), want)
+print("ok")
+"""
+
+
+def test_layer_of_block_scaled_expert_stack_equals_its_slice():
+    """A block-wise QuantizedExpertWeight bound to a layer of whole stacks (what a layer
+    scan passes, ExpertStackLayer) gives exactly what that layer's slice gives, on one
+    device and with its experts split over two (int8 codes, 16 x 16 block scales)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", _LAYER_OF_STACK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_block_scales_must_split_on_block_edges(block_fp8_checkpoint):
