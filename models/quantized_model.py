@@ -41,6 +41,7 @@ __all__ = [
     "EMBEDDING_PATHS",
     "UNQUANTIZED_LINEARS",
     "is_quantized",
+    "model_partition_rules",
     "quantize_model",
     "quantized_linear_paths",
     "quantized_partition_rules",
@@ -141,6 +142,20 @@ def is_quantized(model: Any) -> bool:
     return isinstance(model, nnx.Module) and any(
         isinstance(node, QuantizedLinear | QuantizedEmbed) for _, node in nnx.iter_graph(model)
     )
+
+
+def model_partition_rules(model: Any) -> PartitionRules | None:
+    """The partition rules of a model instance: its family's ``partition_rules``, extended
+    (quantized_partition_rules) when it holds 8-bit layers, block-wise scales when its
+    linears or experts carry a ``block_size``; None when the family declares none."""
+    rules = getattr(type(model), "partition_rules", None)
+    if rules is None or not is_quantized(model):
+        return rules
+    block_scales = any(
+        isinstance(node, QuantizedLinear | QuantizedExperts) and node.block_size is not None
+        for _, node in nnx.iter_graph(model)
+    )
+    return quantized_partition_rules(rules, block_scales=block_scales)
 
 
 def refuse_weight_updates(model: Any, what: str) -> None:

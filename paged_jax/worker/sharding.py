@@ -91,8 +91,9 @@ def shard_model(model: Any, mesh: Mesh) -> tuple[Any, list[str]]:
         ValueError: the model has no partition rules, or its heads do not split.
     """
     from paged_jax.models.loader import abstract_model
+    from paged_jax.models.quantized_model import model_partition_rules
 
-    rules = getattr(type(model), "partition_rules", None)
+    rules = model_partition_rules(model)
     if rules is None or not isinstance(model, nnx.Module):
         raise ValueError(
             f"model={type(model).__name__} declares no partition_rules, so "

@@ -307,6 +307,56 @@ def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
     assert result["diff"] < 1e-5 and result["moe_diff"] < 1e-5 and result["embed_diff"] < 1e-5
 
 
+_ENGINE_TP_SCRIPT = """
+import json, sys
+from paged_jax import LLM, SamplingParams
+params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
+prompts = [[1, 5, 9, 20, 33, 7, 64, 100], [3, 3, 90, 12, 4, 77, 18]]
+result = {}
+for name, path, kwargs in json.loads(sys.argv[1]):
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, max_model_len=32, block_size=4,
+                  max_num_seqs=2, max_num_batched_tokens=16, num_kv_blocks=32, **kwargs)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        result[f"{name}/{tp}"] = [
+            [c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)]] for c in outs
+        ]
+        result[f"{name}/{tp}/compiles"] = llm.engine.get_stats()["num_compiles_after_warmup"]
+        del llm
+print(json.dumps(result))
+"""
+
+
+def test_engine_serves_8bit_weights_with_tensor_parallelism(
+    tiny_hf_checkpoint, block_fp8_moe_checkpoint
+):
+    """LLM(tensor_parallel_size=2) over 8-bit weights, on-load int8 (Llama) and a
+    block-wise fp8 MoE checkpoint (experts split across devices with their block scales):
+    the engine places the 8-bit params and scales by the quantized partition rules, and
+    its greedy tokens and logprobs equal the one-device engine's."""
+    cases = [
+        ["int8", str(tiny_hf_checkpoint("llama")), {"quantization": "int8"}],
+        ["fp8block_moe", str(block_fp8_moe_checkpoint[0]), {}],
+    ]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run(
+        [sys.executable, "-c", _ENGINE_TP_SCRIPT, json.dumps(cases)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, _, _ in cases:
+        one, two = result[f"{name}/1"], result[f"{name}/2"]
+        assert [t for t, _ in two] == [t for t, _ in one], name
+        for (_, lp1), (_, lp2) in zip(one, two):
+            np.testing.assert_allclose(lp2, lp1, atol=1e-4, rtol=0, err_msg=name)
+        assert result[f"{name}/2/compiles"] == 0
+
+
 @pytest.mark.parametrize("method, embeddings", [("int8", False), ("fp8", True)])
 def test_engine_8bit_weights_with_fp8_kv_cache(tiny_hf_checkpoint, method, embeddings):
     """Both 8-bit features in one engine (layers scanned over stacked 8-bit weights):
