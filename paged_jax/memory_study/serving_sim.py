@@ -371,8 +371,10 @@ class PagedForkSim(PagedSim):
       every rate); once every beam of a search has sampled, losers are aborted (their
       blocks freed) and each survivor forks its parent, sharing the prompt and all common
       generated blocks. A parent preempted meanwhile is recomputed: its children enter as
-      new requests with their whole token list as the prompt. A beam that sampled keeps
-      running (dummy tokens, charged on the clock) while a preempted sibling catches up.
+      new requests with their whole token list as the prompt. When a preemption splits a
+      search, its running beams are re-queued too (see _hold_back); a beam that sampled
+      may still run a step or two ahead (dummy tokens, charged on the clock) while a
+      sibling finishes its prefill chunks.
 
     A request is returned, with one token list per sample / beam, when all of them are
     done, so its normalized latency divides by one sequence's length (the driver's
@@ -403,6 +405,7 @@ class PagedForkSim(PagedSim):
         self.groups: dict[str, _Group] = {}
         self.owner: dict[str, str] = {}  # engine request id -> trace request id
         self.carriers: dict[str, str] = {}  # parallel: prefill request id -> trace request id
+        self.num_held_back = 0  # beams re-queued by _hold_back
 
     def add(self, req: TraceRequest) -> None:
         if req.num_prompt_tokens + req.num_output_tokens > self.max_model_len:
@@ -489,11 +492,34 @@ class PagedForkSim(PagedSim):
         done = []
         for gid in touched:  # in schedule order: deterministic
             group = self.groups[gid]
-            if all(rid in group.ready for rid in group.rids) and self._advance(gid, group):
+            if not all(rid in group.ready for rid in group.rids):
+                self._hold_back(group)
+            elif self._advance(gid, group):
                 beams = group.search.results(list(group.req.prompt_token_ids), lambda _: "")
                 done.append((gid, [b.output_token_ids for b in beams.sequences]))
                 del self.groups[gid]
         return done
+
+    def _hold_back(self, group: _Group) -> None:
+        """A search split by a preemption (a beam waiting while its siblings run) would let
+        the sampled siblings run ahead on dummy tokens, holding blocks the waiting beam
+        needs. The group is recomputed as a whole instead (vLLM's unit of preemption is the
+        sequence group): each sampled sibling still running is aborted and re-queued with
+        its beam's tokens as the prompt."""
+        reqs = [self.sched.requests.get(rid) for rid in group.rids]
+        if all(r is not None and r.status == RequestStatus.RUNNING for r in reqs):
+            return  # a sibling is still in its prefill chunks: it samples soon
+        prompt = list(group.req.prompt_token_ids)
+        for rid, req, beam in zip(group.rids, reqs, group.search.running, strict=True):
+            if rid in group.ready and req is not None and req.status == RequestStatus.RUNNING:
+                full = prompt + beam.tokens
+                self.sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                self.sched.add_request(
+                    Request(rid, full, self._params(self.max_model_len - len(full)),
+                            arrival_time=req.arrival_time)
+                )  # fmt: skip
+                group.ready.discard(rid)
+                self.num_held_back += 1
 
     def _advance(self, gid: str, group: _Group) -> bool:
         """One search step: losers aborted, survivors forked; True when the search ended."""
@@ -547,6 +573,9 @@ class PagedForkSim(PagedSim):
     def num_running(self) -> int:
         """Trace requests started (each `width` sequences once past its prefill)."""
         return len(self.groups)
+
+    def extra(self) -> dict[str, Any]:
+        return {**super().extra(), "num_beams_held_back": self.num_held_back}
 
 
 @dataclasses.dataclass
