@@ -568,11 +568,45 @@ def plot_fork_latency(summary: dict[str, Any], path: Any, dataset: str = "alpaca
     plt.close(fig)
 
 
+def fork_headline_table(summary: dict[str, Any]) -> str:
+    """One row per cell at the main bound: paged / Oracle beside the paper's, that ratio
+    over the same trace's basic-sampling ratio (the paper: 2.3 / 1.3 = 1.77 at beam
+    width 6), paged's batch against Oracle's and the blocks sharing saved."""
+    lines = [
+        "| trace | cell | paged / Oracle | / Pow2 | / Max | paged / Oracle over basic's "
+        "| paper paged / Oracle | batch paged / Oracle | paged blocks saved (paper) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dataset, res in summary["traces"].items():
+        basic = next((c for c in res["cells"] if c["mode"] == "basic"), None)
+        base = basic["bounds"][0]["paged_over"].get("orca-oracle") if basic else None
+        for c in res["cells"]:
+            over = c["bounds"][0]["paged_over"]
+            ratio = over.get("orca-oracle")
+            rel = "-" if ratio is None or not base else f"{ratio / base:.2f}"
+            cell = "basic" if c["mode"] == "basic" else f"{c['mode']} {c['width']}"
+            paper = "-" if c["paper_over_oracle"] is None else f"{c['paper_over_oracle']:g}x"
+            batch = c["batch_at_sustained"]
+            saved = f"{100 * c['paged_saving_at_sustained']:.1f}%"
+            if c["paper_saving"]:
+                saved += f" ({100 * c['paper_saving'][0]:.1f}-{100 * c['paper_saving'][1]:.1f}%)"
+            fmt = {s: "-" if over.get(s) is None else f"{over[s]:.2f}x"
+                   for s in ("orca-oracle", "orca-pow2", "orca-max")}  # fmt: skip
+            lines.append(
+                f"| {dataset} | {cell} | {fmt['orca-oracle']} | {fmt['orca-pow2']} | "
+                f"{fmt['orca-max']} | {rel} | {paper} | {batch['paged']:.1f} / "
+                f"{batch['orca-oracle']:.1f} | {saved} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def fork_markdown_tables(summary: dict[str, Any]) -> str:
-    """Sustained rates and paged / Orca ratios per cell and bound, beside the paper's."""
+    """The headline table, then sustained rates and paged / Orca ratios per cell and
+    bound, beside the paper's."""
     systems = summary["settings"]["systems"]
     others = [s for s in systems if s != "paged"]
     lines = [
+        fork_headline_table(summary),
         "| trace | mode | n / width | bound | "
         + " | ".join(f"{s} req/s" for s in systems)
         + " | "
