@@ -60,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         help="bisection stops at hi/lo <= 1+tol (default 0.04; 0.08 with --figure14)"
     )  # fmt: skip
     parser.add_argument(
+        "--max-num-seqs", type=int, default=None,
+        help="--figure14 only: sequences a step may run (default 256)"
+    )  # fmt: skip
+    parser.add_argument(
+        "--other-factors", default=None,
+        help="--figure14 only: more bounds than 4x, comma-separated (default 2,8)"
+    )  # fmt: skip
+    parser.add_argument(
         "--cells", default=None,
         help="--figure14 only: mode:width pairs, e.g. basic:1,parallel:2,beam:6 (default all)"
     )  # fmt: skip
@@ -92,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cells is not None:
             pairs = [c.split(":") for c in args.cells.split(",") if c]
             changes["cells"] = tuple((m, int(w)) for m, w in pairs)
+        if args.max_num_seqs is not None:
+            changes["max_num_seqs"] = args.max_num_seqs
+        if args.other_factors is not None:
+            changes["other_factors"] = tuple(float(x) for x in args.other_factors.split(",") if x)
     else:
         changes["overhead_scales"] = tuple(float(x) for x in args.overhead_scales.split(",") if x)
         changes["flops_scales"] = tuple(float(x) for x in args.flops_scales.split(",") if x)

@@ -798,24 +798,28 @@ def make_system(
     budget_tokens: int,
     mode: str = "basic",
     width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> _SimServer:
     """One of SYSTEMS on the given clock and KV budget, serving each request as basic
     sampling (width 1), parallel sampling of n = width samples or a beam search of
-    `width` beams (FORK_MODES; FasterTransformer only basic)."""
+    `width` beams (FORK_MODES; FasterTransformer only basic); max_num_seqs caps the
+    sequences (samples / beams) a step runs, paged and Orca alike."""
     if mode not in FORK_MODES:
         raise ValueError(f"mode={mode!r} must be one of {FORK_MODES}")
     if mode == "basic" and width != 1:
         raise ValueError(f"width={width!r} must be 1 for basic sampling")
     if name == "paged":
         if mode == "basic":
-            return PagedSim(model, clock, budget_tokens=budget_tokens)
-        return PagedForkSim(model, clock, mode, width, budget_tokens=budget_tokens)
+            return PagedSim(model, clock, budget_tokens=budget_tokens, max_num_seqs=max_num_seqs)
+        return PagedForkSim(model, clock, mode, width, budget_tokens=budget_tokens,
+                            max_num_seqs=max_num_seqs)  # fmt: skip
     if name.startswith("orca-") and name[5:] in POLICIES:
-        return OrcaSim(model, clock, name[5:], budget_tokens=budget_tokens, copies=width)
+        return OrcaSim(model, clock, name[5:], budget_tokens=budget_tokens, copies=width,
+                       max_num_seqs=max_num_seqs)  # fmt: skip
     if name == "fastertransformer":
         if mode != "basic":
             raise ValueError(f"fastertransformer serves basic sampling only, not mode={mode!r}")
-        return StaticBatchSim(model, clock, budget_tokens=budget_tokens)
+        return StaticBatchSim(model, clock, budget_tokens=budget_tokens, max_num_seqs=max_num_seqs)
     raise ValueError(f"name={name!r} must be one of {SYSTEMS}")
 
 
@@ -884,6 +888,7 @@ def simulate(
     budget_tokens: int,
     mode: str = "basic",
     width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> dict[str, Any]:
     """Serves the trace online on a fresh virtual clock; latency metrics + the system's tally.
 
@@ -893,7 +898,8 @@ def simulate(
     over output length).
     """
     clock = VirtualClock()
-    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width)
+    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width,
+                         max_num_seqs=max_num_seqs)  # fmt: skip
     run = serve_online(server, trace, arrivals, clock=clock, sleep=clock.sleep)
     assert len(run.records) == len(trace), "a request never finished: the driver lost it"
     return {**run_metrics(run), **server.extra(), "system": system}
@@ -907,9 +913,11 @@ def unloaded_latency(
     budget_tokens: int,
     mode: str = "basic",
     width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> float:
     """Mean normalized latency with each request served alone (rate -> 0)."""
     clock = VirtualClock()
-    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width)
+    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width,
+                         max_num_seqs=max_num_seqs)  # fmt: skip
     run = serve_unloaded(server, trace, clock=clock)
     return run_metrics(run)["mean_normalized_latency_s"]

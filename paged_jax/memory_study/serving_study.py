@@ -142,10 +142,11 @@ class _Runs:
 
     def __init__(self, trace: sim.SimTrace, model: sim.StepTimeModel, budget: int,
                  duration_s: float, progress: Callable[[str], None], *,
-                 mode: str = "basic", width: int = 1) -> None:  # fmt: skip
+                 mode: str = "basic", width: int = 1,
+                 max_num_seqs: int = sim.MAX_NUM_SEQS) -> None:  # fmt: skip
         self.trace, self.model, self.budget = trace, model, budget
         self.duration_s, self.progress = duration_s, progress
-        self.mode, self.width = mode, width
+        self.mode, self.width, self.max_num_seqs = mode, width, max_num_seqs
         self.cache: dict[tuple[str, float], dict[str, Any]] = {}
 
     def run(self, system: str, rate: float) -> dict[str, Any]:
@@ -154,7 +155,8 @@ class _Runs:
             t0 = time.perf_counter()
             reqs, arrivals = self.trace.at_rate(key[1], self.duration_s)
             res = sim.simulate(system, reqs, arrivals, self.model, budget_tokens=self.budget,
-                               mode=self.mode, width=self.width)  # fmt: skip
+                               mode=self.mode, width=self.width,
+                               max_num_seqs=self.max_num_seqs)  # fmt: skip
             res["rate"] = key[1]
             res["sim_wall_s"] = time.perf_counter() - t0
             self.cache[key] = res
@@ -172,7 +174,7 @@ class _Runs:
         reqs = self.trace.requests[:2000]
         w = self.width
         if system == "fastertransformer":
-            batch = static_batch_size(self.budget, sim.MAX_MODEL_LEN, sim.MAX_NUM_SEQS)
+            batch = static_batch_size(self.budget, sim.MAX_MODEL_LEN, self.max_num_seqs)
         elif system == "paged":
             slots = np.mean([r.num_prompt_tokens + w * r.num_output_tokens for r in reqs])
             batch = self.budget / slots
@@ -182,7 +184,7 @@ class _Runs:
             batch = self.budget / np.mean(
                 [w * orca.space.chunk_size(orca.reservation(r)) for r in reqs]
             )
-        batch = min(float(batch), sim.MAX_NUM_SEQS / w)
+        batch = min(float(batch), self.max_num_seqs / w)
         mean_out = float(np.mean([r.num_output_tokens for r in reqs]))
         mean_ctx = float(np.mean([r.num_prompt_tokens + r.num_output_tokens / 2 for r in reqs]))
         cost = sim.StepCost()
@@ -203,10 +205,14 @@ def _study_trace(
     width: int = 1,
 ) -> dict[str, Any]:
     budget = sim.kv_budget_tokens(model)
-    runs = _Runs(trace, model, budget, settings.duration_s, progress, mode=mode, width=width)
+    seqs = getattr(settings, "max_num_seqs", sim.MAX_NUM_SEQS)
+    runs = _Runs(trace, model, budget, settings.duration_s, progress, mode=mode, width=width,
+                 max_num_seqs=seqs)  # fmt: skip
     sample = list(trace.requests[: settings.num_unloaded])
     unloaded = {
-        s: sim.unloaded_latency(s, sample, model, budget_tokens=budget, mode=mode, width=width)
+        s: sim.unloaded_latency(
+            s, sample, model, budget_tokens=budget, mode=mode, width=width, max_num_seqs=seqs
+        )  # fmt: skip
         for s in settings.systems
     }
     by_factor = {}
@@ -446,6 +452,9 @@ class ForkServingSettings:
         trace_requests: requests drawn per trace.
         seed: trace seed (a beam search's synthetic candidates are seeded by it and the
             request id).
+        max_num_seqs: sequences (samples / beams) a step may run, paged and Orca alike
+            (vLLM's default 256; raised in a sensitivity run to lift the cap off paged's
+            beams).
     """
 
     datasets: tuple[str, ...] = ("alpaca",)
@@ -460,6 +469,7 @@ class ForkServingSettings:
         default_factory=lambda: {"sharegpt": 6_000, "alpaca": 40_000}
     )
     seed: int = 0
+    max_num_seqs: int = sim.MAX_NUM_SEQS
 
 
 def _nearest(points: list[dict[str, Any]], rate: float) -> dict[str, Any]:
@@ -483,7 +493,7 @@ def run_fork_study(
         "kv_budget_bytes": sim.KV_BUDGET_BYTES,
         "block_size": sim.BLOCK_SIZE,
         "max_model_len": sim.MAX_MODEL_LEN,
-        "max_num_seqs": sim.MAX_NUM_SEQS,
+        "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": sim.MAX_NUM_BATCHED_TOKENS,
         "beam_model": dataclasses.asdict(sim.BEAM_MODEL),
         "paper_ratios_over_oracle": [
