@@ -61,6 +61,21 @@ class BeamModel:
         ids = rng.choice(VOCAB_SIZE - 3, size=self.vocab, replace=False) + 3
         return [(int(ids[i]), float(logprobs[i])) for i in top]
 
+    def candidate_rows(
+        self, rng: np.random.Generator, rows: int, k: int
+    ) -> list[list[tuple[int, float]]]:
+        """candidates() for `rows` beams at once, without the random token ids (a
+        permutation of the vocabulary per call, most of its cost): the same logprob
+        distribution, token id = 3 + the logit's index. For simulations where ids never
+        matter (prefix caching off)."""
+        logits = rng.standard_normal((rows, self.vocab)) * self.sharpness
+        logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+        top = np.argsort(-logprobs, axis=1)[:, :k]
+        vals = np.take_along_axis(logprobs, top, axis=1)
+        return [
+            list(zip((3 + top[r]).tolist(), vals[r].tolist(), strict=True)) for r in range(rows)
+        ]
+
 
 @dataclasses.dataclass(frozen=True)
 class ForkStudySettings:

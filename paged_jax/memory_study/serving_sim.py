@@ -19,14 +19,16 @@ import numpy as np
 
 from paged_jax.baselines.serving import (
     poisson_arrivals,
+    request_seed,
     run_metrics,
     serve_online,
     serve_unloaded,
 )
 from paged_jax.baselines.workload import TraceRequest
+from paged_jax.beam_search import BeamSearch, BeamSearchParams
 from paged_jax.config import EngineConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.request import Request
+from paged_jax.core.request import Request, RequestStatus
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.memory_study.allocators import (
     POLICIES,
@@ -34,6 +36,7 @@ from paged_jax.memory_study.allocators import (
     reservation_size,
     static_batch_size,
 )
+from paged_jax.memory_study.forks import BeamModel
 from paged_jax.memory_study.workloads import DATASETS, VOCAB_SIZE
 from paged_jax.sampling_params import SamplingParams
 
@@ -263,6 +266,10 @@ class PagedSim(_SimServer):
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
     ) -> None:
         super().__init__(model, clock)
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        # Blocks per step, summed: pointed at by the running sequences' tables (what
+        # they would hold unshared) and held by the pool (a shared block once).
+        self.block_steps = {"logical": 0, "physical": 0, "peak_physical": 0}
         num_blocks = budget_tokens // block_size + 1  # + the null block
         config = EngineConfig(
             block_size=block_size,
@@ -295,8 +302,23 @@ class PagedSim(_SimServer):
             cost.add(seq.num_computed_tokens, seq.num_new_tokens, seq.samples)
             if seq.samples:
                 sampled[seq.req_id] = 3 + seq.num_output_tokens % (VOCAB_SIZE - 3)
-        self._tick(cost, len(sched.running))
+        self._tick(cost, self.num_running)
+        self._count_blocks()
         finished = sched.update_from_output(out, sampled)
+        return self._after_step(list(sampled), finished)
+
+    def _count_blocks(self) -> None:
+        kv = self.kv
+        physical = kv.num_usable_blocks - kv.num_free_blocks
+        self.block_steps["logical"] += sum(kv.get_num_blocks(r) for r in self.sched.running)
+        self.block_steps["physical"] += physical
+        self.block_steps["peak_physical"] = max(self.block_steps["peak_physical"], physical)
+
+    def _after_step(
+        self, sampled: list[str], finished: list[Request]
+    ) -> list[tuple[str, list[Any]]]:
+        """What the driver gets back after a step, given the engine requests that sampled
+        (in schedule order) and those the scheduler finished; PagedForkSim forks here."""
         return [(r.request_id, r.output_token_ids) for r in finished]
 
     def has_unfinished(self) -> bool:
@@ -307,16 +329,263 @@ class PagedSim(_SimServer):
         return len(self.sched.running)
 
     def extra(self) -> dict[str, Any]:
-        return {**super().extra(), "num_preemptions": self.sched.num_preemptions}
+        b = self.block_steps
+        return {
+            **super().extra(),
+            "num_preemptions": self.sched.num_preemptions,
+            "mean_physical_blocks": b["physical"] / max(1, self.num_steps),
+            "peak_physical_blocks": b["peak_physical"],
+            "blocks_saved_by_sharing": 1 - b["physical"] / b["logical"] if b["logical"] else 0.0,
+        }
+
+
+FORK_MODES = ("basic", "parallel", "beam")
+# The beams' synthetic next-token model: forks.py's default (mean top-1 probability ~0.4).
+BEAM_MODEL = BeamModel()
+
+
+@dataclasses.dataclass
+class _Group:
+    """One trace request served as several engine requests (its carrier, samples or beams)."""
+
+    req: TraceRequest
+    rids: list[str]  # the live engine requests, in sample / beam order
+    search: BeamSearch | None = None
+    rng: np.random.Generator | None = None
+    ready: set[str] = dataclasses.field(default_factory=set)  # beams sampled since a search step
+    outputs: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # finished samples
+    step: int = 0
+
+
+class PagedForkSim(PagedSim):
+    """The paged design serving each request as `width` sequences that share blocks.
+
+    * "parallel" (parallel sampling, n = width): the prompt is prefilled once by a
+      carrier request; when it samples, `width` children fork it through
+      Scheduler.fork_request (every prompt block shared by ref count, the partial last
+      one copied on the child's first write) and the carrier is aborted. Each sample
+      generates the trace's output length (no EOS, as the engine's ParallelSamplingServer).
+    * "beam" (beam search, width beams): paged_jax.beam_search.BeamSearch (HF semantics,
+      no EOS, exactly the output length) picks the beams from forks.BeamModel's synthetic
+      candidate_rows (a generator seeded per request, so a request's genealogy is the same at
+      every rate); once every beam of a search has sampled, losers are aborted (their
+      blocks freed) and each survivor forks its parent, sharing the prompt and all common
+      generated blocks. A parent preempted meanwhile is recomputed: its children enter as
+      new requests with their whole token list as the prompt. When a preemption splits a
+      search, its running beams are re-queued too (see _hold_back); a beam that sampled
+      may still run a step or two ahead (dummy tokens, charged on the clock) while a
+      sibling finishes its prefill chunks.
+
+    A request is returned, with one token list per sample / beam, when all of them are
+    done, so its normalized latency divides by one sequence's length (the driver's
+    num_output_tokens). At most (max_num_seqs - 1) // width requests are started at once
+    (a fork needs a free row); later ones wait in arrival order.
+    """
+
+    def __init__(
+        self,
+        model: StepTimeModel,
+        clock: VirtualClock,
+        mode: str,
+        width: int,
+        *,
+        budget_tokens: int,
+        beam_model: BeamModel = BEAM_MODEL,
+        seed: int = 0,
+        **caps: int,
+    ) -> None:
+        if mode not in FORK_MODES[1:]:
+            raise ValueError(f"mode={mode!r} must be one of {FORK_MODES[1:]}")
+        if not (isinstance(width, int) and width >= 1):
+            raise ValueError(f"width={width!r} must be an int >= 1 (samples or beams)")
+        super().__init__(model, clock, budget_tokens=budget_tokens, **caps)
+        self.mode, self.width, self.beam_model, self.seed = mode, width, beam_model, seed
+        self.max_groups = max(1, (self.max_num_seqs - 1) // width)
+        self.pending: collections.deque[TraceRequest] = collections.deque()
+        self.groups: dict[str, _Group] = {}
+        self.owner: dict[str, str] = {}  # engine request id -> trace request id
+        self.carriers: dict[str, str] = {}  # parallel: prefill request id -> trace request id
+        self.num_held_back = 0  # beams re-queued by _hold_back
+
+    def add(self, req: TraceRequest) -> None:
+        if req.num_prompt_tokens + req.num_output_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req.request_id!r} needs {req.num_prompt_tokens} + "
+                f"{req.num_output_tokens} tokens: must be <= max_model_len={self.max_model_len}"
+            )
+        self.pending.append(req)
+        self._start_pending()
+
+    def _params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+    def _start_pending(self) -> None:
+        while self.pending and len(self.groups) < self.max_groups:
+            req = self.pending.popleft()
+            prompt = list(req.prompt_token_ids)
+            rid = f"{req.request_id}#0"
+            if self.mode == "parallel":
+                params = self._params(2)  # forked after its first sample, never finishes
+                self.carriers[rid] = req.request_id
+                group = _Group(req, [])
+            else:
+                params = self._params(self.max_model_len - len(prompt))
+                search = BeamSearch(
+                    len(prompt),
+                    BeamSearchParams(self.width, 1, ignore_eos=True),
+                    (),
+                    max_tokens=req.num_output_tokens,
+                )
+                rng = np.random.default_rng([self.seed, request_seed(req.request_id)])
+                group = _Group(req, [rid], search, rng)
+                self.owner[rid] = req.request_id
+            self.sched.add_request(Request(rid, prompt, params, arrival_time=self.clock.now))
+            self.groups[req.request_id] = group
+
+    def _end(self, rid: str) -> None:
+        self.owner.pop(rid, None)
+        if rid in self.sched.requests:
+            self.sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def _after_step(
+        self, sampled: list[str], finished: list[Request]
+    ) -> list[tuple[str, list[Any]]]:
+        done = self._parallel(sampled, finished) if self.mode == "parallel" else self._beam(sampled)
+        self._start_pending()
+        return done
+
+    def _parallel(self, sampled: list[str], finished: list[Request]) -> list[tuple[str, list]]:
+        done = []
+        for r in finished:
+            gid = self.owner.pop(r.request_id)
+            group = self.groups[gid]
+            group.outputs[r.request_id] = list(r.output_token_ids)
+            if len(group.outputs) == self.width:
+                done.append((gid, [group.outputs[rid] for rid in group.rids]))
+                del self.groups[gid]
+        for rid in sampled:
+            gid = self.carriers.pop(rid, None)
+            if gid is None:
+                continue
+            group = self.groups[gid]
+            out_len = group.req.num_output_tokens
+            carrier = self.sched.requests[rid]
+            if out_len == 1:  # the prefill's sample was the whole output
+                done.append((gid, [list(carrier.output_token_ids)] * self.width))
+                del self.groups[gid]
+            else:
+                for j in range(self.width):
+                    child = carrier.fork(f"{gid}#s{j}", sampling_params=self._params(out_len))
+                    self.sched.fork_request(rid, child)
+                    self.owner[child.request_id] = gid
+                    group.rids.append(child.request_id)
+            self._end(rid)
+        return done
+
+    def _beam(self, sampled: list[str]) -> list[tuple[str, list]]:
+        touched = {}
+        for rid in sampled:
+            gid = self.owner.get(rid)
+            if gid is not None:
+                self.groups[gid].ready.add(rid)
+                touched[gid] = None
+        done = []
+        for gid in touched:  # in schedule order: deterministic
+            group = self.groups[gid]
+            if not all(rid in group.ready for rid in group.rids):
+                self._hold_back(group)
+            elif self._advance(gid, group):
+                beams = group.search.results(list(group.req.prompt_token_ids), lambda _: "")
+                done.append((gid, [b.output_token_ids for b in beams.sequences]))
+                del self.groups[gid]
+        return done
+
+    def _hold_back(self, group: _Group) -> None:
+        """A search split by a preemption (a beam waiting while its siblings run) would let
+        the sampled siblings run ahead on dummy tokens, holding blocks the waiting beam
+        needs. The group is recomputed as a whole instead (vLLM's unit of preemption is the
+        sequence group): each sampled sibling still running is aborted and re-queued with
+        its beam's tokens as the prompt."""
+        reqs = [self.sched.requests.get(rid) for rid in group.rids]
+        if all(r is not None and r.status == RequestStatus.RUNNING for r in reqs):
+            return  # a sibling is still in its prefill chunks: it samples soon
+        prompt = list(group.req.prompt_token_ids)
+        for rid, req, beam in zip(group.rids, reqs, group.search.running, strict=True):
+            if rid in group.ready and req is not None and req.status == RequestStatus.RUNNING:
+                full = prompt + beam.tokens
+                self.sched.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+                self.sched.add_request(
+                    Request(rid, full, self._params(self.max_model_len - len(full)),
+                            arrival_time=req.arrival_time)
+                )  # fmt: skip
+                group.ready.discard(rid)
+                self.num_held_back += 1
+
+    def _advance(self, gid: str, group: _Group) -> bool:
+        """One search step: losers aborted, survivors forked; True when the search ended."""
+        search = group.search
+        parents = group.rids
+        k = search.num_candidates
+        beams = search.step(self.beam_model.candidate_rows(group.rng, len(parents), k))
+        group.step += 1
+        group.ready = set()
+        if search.done:
+            for rid in parents:
+                self._end(rid)
+            return True
+        children: dict[int, list[int]] = {}
+        for j, beam in enumerate(beams):
+            children.setdefault(beam.parent, []).append(j)
+        for b, rid in enumerate(parents):
+            if b not in children:
+                self._end(rid)  # a pruned beam frees its blocks now
+        prompt = list(group.req.prompt_token_ids)
+        new = [""] * len(beams)
+        for b, js in children.items():
+            rid = parents[b]
+            parent = self.sched.requests.get(rid)
+            for j in js:
+                cid = f"{gid}#{group.step}-{j}"
+                full = prompt + beams[j].tokens
+                if parent is not None and parent.status == RequestStatus.RUNNING:
+                    # The parent's prompt may hold beam tokens (a recomputed beam); its
+                    # sampling params (max_tokens up to max_model_len) carry over.
+                    child = parent.fork(cid, full[parent.num_prompt_tokens :])
+                    # Shared: the parent's computed tokens the child also has (not its new
+                    # last token, nor dummy tokens the parent ran ahead with).
+                    shared = min(parent.num_computed_tokens, len(full) - 1)
+                    self.sched.fork_request(rid, child, num_tokens=shared)
+                else:  # the parent was preempted: recompute the beam
+                    self.sched.add_request(
+                        Request(cid, full, self._params(self.max_model_len - len(full)),
+                                arrival_time=self.clock.now)
+                    )  # fmt: skip
+                self.owner[cid] = gid
+                new[j] = cid
+            self._end(rid)
+        group.rids = new
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.groups or self.pending)
+
+    @property
+    def num_running(self) -> int:
+        """Trace requests started (each `width` sequences once past its prefill)."""
+        return len(self.groups)
+
+    def extra(self) -> dict[str, Any]:
+        return {**super().extra(), "num_beams_held_back": self.num_held_back}
 
 
 @dataclasses.dataclass
 class _Seq:
     req: TraceRequest
-    start: int
-    num_tokens: int  # known tokens: prompt + sampled
+    starts: list[int]  # one reservation per sample / beam
+    num_tokens: int  # known tokens of each row: prompt + sampled
     num_computed: int = 0
     num_output: int = 0
+    rows: int = 1  # sequences computing: 1 for the prompt, then one per sample / beam
 
 
 class OrcaSim(_SimServer):
@@ -328,6 +597,12 @@ class OrcaSim(_SimServer):
     finishes, so it never grows and is never preempted. Each step: running requests
     first (one decode token or the next prefill chunk), then admission, within
     max_num_seqs and max_num_batched_tokens, as the paged scheduler.
+
+    With copies = n (parallel sampling's n samples or beam search's n beams) a request
+    holds n such reservations, admitted only when all n fit (Orca shares nothing); its
+    prompt is computed once, then n rows decode, each reading its own context (a beam
+    search's reshuffling of beams copies K/V between reservations, not charged). It
+    returns n token lists; max_num_seqs then counts rows.
     """
 
     def __init__(
@@ -340,11 +615,16 @@ class OrcaSim(_SimServer):
         max_model_len: int = MAX_MODEL_LEN,
         max_num_seqs: int = MAX_NUM_SEQS,
         max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
+        copies: int = 1,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"policy={policy!r} must be one of {POLICIES}")
+        if not (isinstance(copies, int) and 1 <= copies <= max_num_seqs):
+            raise ValueError(f"copies={copies!r} must be an int in [1, max_num_seqs]")
         super().__init__(model, clock)
-        self.policy, self.max_model_len = policy, max_model_len
+        self.policy, self.max_model_len, self.copies = policy, max_model_len, copies
+        self.reserved_steps = 0  # reserved slots summed over steps
+        self.peak_reserved = 0
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.space = BuddySpace(budget_tokens)
         start = self.space.alloc(max_model_len)
@@ -378,18 +658,22 @@ class OrcaSim(_SimServer):
         for seq in self.running:
             if budget == 0:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            cost.add(seq.num_computed, n, seq.num_computed + n >= seq.num_tokens)
+            n = min(seq.num_tokens - seq.num_computed, budget // seq.rows)
+            if n == 0:
+                continue  # its rows do not fit this step's token budget
+            cost.add(seq.num_computed, n, seq.num_computed + n >= seq.num_tokens, rows=seq.rows)
             seq.num_computed += n
-            budget -= n
+            budget -= seq.rows * n
             scheduled.append(seq)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        rows = len(self.running) * self.copies  # the running requests' rows (at most)
+        while self.waiting and budget > 0 and rows + self.copies <= self.max_num_seqs:
             req = self.waiting[0]
-            start = self.space.alloc(self.reservation(req))
-            if start is None:
+            starts = self._reserve(req)
+            if starts is None:
                 break  # head-of-line blocking
             self.waiting.popleft()
-            seq = _Seq(req, start, num_tokens=req.num_prompt_tokens)
+            rows += self.copies
+            seq = _Seq(req, starts, num_tokens=req.num_prompt_tokens)
             n = min(seq.num_tokens, budget)
             cost.add(0, n, n >= seq.num_tokens)
             seq.num_computed = n
@@ -397,19 +681,39 @@ class OrcaSim(_SimServer):
             self.running.append(seq)
             scheduled.append(seq)
         self._tick(cost, len(self.running))
+        reserved = self.space.num_allocated
+        self.reserved_steps += reserved
+        self.peak_reserved = max(self.peak_reserved, reserved)
         finished = []
         for seq in scheduled:
             if seq.num_computed < seq.num_tokens:
                 continue  # a prefill chunk short of the prompt's end samples nothing
             seq.num_tokens += 1
             seq.num_output += 1
+            seq.rows = self.copies  # the prompt's sample starts every sample / beam
             if seq.num_output >= seq.req.num_output_tokens:
-                self.space.free(seq.start)
-                finished.append((seq.req.request_id, [0] * seq.num_output))
+                for start in seq.starts:
+                    self.space.free(start)
+                tokens = [0] * seq.num_output
+                out = tokens if self.copies == 1 else [tokens] * self.copies
+                finished.append((seq.req.request_id, out))
         if finished:
             done = {rid for rid, _ in finished}
             self.running = [s for s in self.running if s.req.request_id not in done]
         return finished
+
+    def _reserve(self, req: TraceRequest) -> list[int] | None:
+        """One reservation per copy, all or none."""
+        size = self.reservation(req)
+        starts: list[int] = []
+        for _ in range(self.copies):
+            start = self.space.alloc(size)
+            if start is None:
+                for s in starts:
+                    self.space.free(s)
+                return None
+            starts.append(start)
+        return starts
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -417,6 +721,13 @@ class OrcaSim(_SimServer):
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def extra(self) -> dict[str, Any]:
+        return {
+            **super().extra(),
+            "mean_reserved_tokens": self.reserved_steps / max(1, self.num_steps),
+            "peak_reserved_tokens": self.peak_reserved,
+        }
 
 
 class StaticBatchSim(_SimServer):
@@ -480,15 +791,35 @@ SYSTEMS = ("paged", "orca-oracle", "orca-pow2", "orca-max", "fastertransformer")
 
 
 def make_system(
-    name: str, model: StepTimeModel, clock: VirtualClock, *, budget_tokens: int
+    name: str,
+    model: StepTimeModel,
+    clock: VirtualClock,
+    *,
+    budget_tokens: int,
+    mode: str = "basic",
+    width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> _SimServer:
-    """One of SYSTEMS on the given clock and KV budget."""
+    """One of SYSTEMS on the given clock and KV budget, serving each request as basic
+    sampling (width 1), parallel sampling of n = width samples or a beam search of
+    `width` beams (FORK_MODES; FasterTransformer only basic); max_num_seqs caps the
+    sequences (samples / beams) a step runs, paged and Orca alike."""
+    if mode not in FORK_MODES:
+        raise ValueError(f"mode={mode!r} must be one of {FORK_MODES}")
+    if mode == "basic" and width != 1:
+        raise ValueError(f"width={width!r} must be 1 for basic sampling")
     if name == "paged":
-        return PagedSim(model, clock, budget_tokens=budget_tokens)
+        if mode == "basic":
+            return PagedSim(model, clock, budget_tokens=budget_tokens, max_num_seqs=max_num_seqs)
+        return PagedForkSim(model, clock, mode, width, budget_tokens=budget_tokens,
+                            max_num_seqs=max_num_seqs)  # fmt: skip
     if name.startswith("orca-") and name[5:] in POLICIES:
-        return OrcaSim(model, clock, name[5:], budget_tokens=budget_tokens)
+        return OrcaSim(model, clock, name[5:], budget_tokens=budget_tokens, copies=width,
+                       max_num_seqs=max_num_seqs)  # fmt: skip
     if name == "fastertransformer":
-        return StaticBatchSim(model, clock, budget_tokens=budget_tokens)
+        if mode != "basic":
+            raise ValueError(f"fastertransformer serves basic sampling only, not mode={mode!r}")
+        return StaticBatchSim(model, clock, budget_tokens=budget_tokens, max_num_seqs=max_num_seqs)
     raise ValueError(f"name={name!r} must be one of {SYSTEMS}")
 
 
@@ -555,20 +886,38 @@ def simulate(
     model: StepTimeModel,
     *,
     budget_tokens: int,
+    mode: str = "basic",
+    width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> dict[str, Any]:
-    """Serves the trace online on a fresh virtual clock; latency metrics + the system's tally."""
+    """Serves the trace online on a fresh virtual clock; latency metrics + the system's tally.
+
+    Normalized latency (run_metrics) = (finish - arrival) / output tokens per request,
+    mean over requests; a forked request finishes when its last sample / beam does and
+    its output length is one sequence's (the paper's definition, per-request latency
+    over output length).
+    """
     clock = VirtualClock()
-    server = make_system(system, model, clock, budget_tokens=budget_tokens)
+    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width,
+                         max_num_seqs=max_num_seqs)  # fmt: skip
     run = serve_online(server, trace, arrivals, clock=clock, sleep=clock.sleep)
     assert len(run.records) == len(trace), "a request never finished: the driver lost it"
     return {**run_metrics(run), **server.extra(), "system": system}
 
 
 def unloaded_latency(
-    system: str, trace: list[TraceRequest], model: StepTimeModel, *, budget_tokens: int
+    system: str,
+    trace: list[TraceRequest],
+    model: StepTimeModel,
+    *,
+    budget_tokens: int,
+    mode: str = "basic",
+    width: int = 1,
+    max_num_seqs: int = MAX_NUM_SEQS,
 ) -> float:
     """Mean normalized latency with each request served alone (rate -> 0)."""
     clock = VirtualClock()
-    server = make_system(system, model, clock, budget_tokens=budget_tokens)
+    server = make_system(system, model, clock, budget_tokens=budget_tokens, mode=mode, width=width,
+                         max_num_seqs=max_num_seqs)  # fmt: skip
     run = serve_unloaded(server, trace, clock=clock)
     return run_metrics(run)["mean_normalized_latency_s"]

@@ -137,12 +137,16 @@ class SimStudySettings:
 
 
 class _Runs:
-    """Simulated runs of one trace under one step-time model, memoized by (system, rate)."""
+    """Simulated runs of one trace under one step-time model, memoized by (system, rate);
+    each request served as `mode` with `width` samples / beams (serving_sim.FORK_MODES)."""
 
     def __init__(self, trace: sim.SimTrace, model: sim.StepTimeModel, budget: int,
-                 duration_s: float, progress: Callable[[str], None]) -> None:  # fmt: skip
+                 duration_s: float, progress: Callable[[str], None], *,
+                 mode: str = "basic", width: int = 1,
+                 max_num_seqs: int = sim.MAX_NUM_SEQS) -> None:  # fmt: skip
         self.trace, self.model, self.budget = trace, model, budget
         self.duration_s, self.progress = duration_s, progress
+        self.mode, self.width, self.max_num_seqs = mode, width, max_num_seqs
         self.cache: dict[tuple[str, float], dict[str, Any]] = {}
 
     def run(self, system: str, rate: float) -> dict[str, Any]:
@@ -150,12 +154,15 @@ class _Runs:
         if key not in self.cache:
             t0 = time.perf_counter()
             reqs, arrivals = self.trace.at_rate(key[1], self.duration_s)
-            res = sim.simulate(system, reqs, arrivals, self.model, budget_tokens=self.budget)
+            res = sim.simulate(system, reqs, arrivals, self.model, budget_tokens=self.budget,
+                               mode=self.mode, width=self.width,
+                               max_num_seqs=self.max_num_seqs)  # fmt: skip
             res["rate"] = key[1]
             res["sim_wall_s"] = time.perf_counter() - t0
             self.cache[key] = res
+            cell = "" if self.mode == "basic" else f" {self.mode} {self.width}"
             self.progress(
-                f"  {self.trace.dataset} {system} {key[1]:.4g} req/s: "
+                f"  {self.trace.dataset}{cell} {system} {key[1]:.4g} req/s: "
                 f"{res['mean_normalized_latency_s'] * 1e3:.1f} ms/token, "
                 f"batch {res['time_avg_batch_size']:.1f} ({res['sim_wall_s']:.1f} s)"
             )
@@ -165,22 +172,23 @@ class _Runs:
         """A first guess for the bisection: what batch the budget holds for this system's
         reservation of a mean request, decoding in lockstep; only a starting point."""
         reqs = self.trace.requests[:2000]
+        w = self.width
         if system == "fastertransformer":
-            batch = static_batch_size(self.budget, sim.MAX_MODEL_LEN, sim.MAX_NUM_SEQS)
+            batch = static_batch_size(self.budget, sim.MAX_MODEL_LEN, self.max_num_seqs)
         elif system == "paged":
-            slots = np.mean([r.num_prompt_tokens + r.num_output_tokens for r in reqs])
+            slots = np.mean([r.num_prompt_tokens + w * r.num_output_tokens for r in reqs])
             batch = self.budget / slots
         else:
             orca = sim.OrcaSim(self.model, sim.VirtualClock(), system[5:],
                                budget_tokens=self.budget)  # fmt: skip
             batch = self.budget / np.mean(
-                [orca.space.chunk_size(orca.reservation(r)) for r in reqs]
+                [w * orca.space.chunk_size(orca.reservation(r)) for r in reqs]
             )
-        batch = min(float(batch), sim.MAX_NUM_SEQS)
+        batch = min(float(batch), self.max_num_seqs / w)
         mean_out = float(np.mean([r.num_output_tokens for r in reqs]))
         mean_ctx = float(np.mean([r.num_prompt_tokens + r.num_output_tokens / 2 for r in reqs]))
         cost = sim.StepCost()
-        cost.add(int(mean_ctx), 1, True, rows=max(1, int(batch)))
+        cost.add(int(mean_ctx), 1, True, rows=max(1, int(batch * w)))
         return 0.5 * batch / (cost.time(self.model) * mean_out)
 
 
@@ -193,12 +201,19 @@ def _study_trace(
     *,
     rel_tol: float,
     starts: dict[str, float] | None = None,
+    mode: str = "basic",
+    width: int = 1,
 ) -> dict[str, Any]:
     budget = sim.kv_budget_tokens(model)
-    runs = _Runs(trace, model, budget, settings.duration_s, progress)
+    seqs = getattr(settings, "max_num_seqs", sim.MAX_NUM_SEQS)
+    runs = _Runs(trace, model, budget, settings.duration_s, progress, mode=mode, width=width,
+                 max_num_seqs=seqs)  # fmt: skip
     sample = list(trace.requests[: settings.num_unloaded])
     unloaded = {
-        s: sim.unloaded_latency(s, sample, model, budget_tokens=budget) for s in settings.systems
+        s: sim.unloaded_latency(
+            s, sample, model, budget_tokens=budget, mode=mode, width=width, max_num_seqs=seqs
+        )  # fmt: skip
+        for s in settings.systems
     }
     by_factor = {}
     for f in factors:
@@ -225,7 +240,8 @@ def _study_trace(
             if s != "paged"
         }
         by_factor[f] = {"bound_s_per_token": bound, "sustained": sustained, "paged_over": ratios}
-        progress(f"{trace.dataset} {f:g}x: {sustained} ratios {ratios}")
+        cell = "" if mode == "basic" else f" {mode} {width}"
+        progress(f"{trace.dataset}{cell} {f:g}x: {sustained} ratios {ratios}")
     points = {
         s: sorted((v for (name, _), v in runs.cache.items() if name == s), key=lambda v: v["rate"])
         for s in settings.systems
@@ -408,3 +424,222 @@ def batch_at_sustained(res: dict[str, Any], system: str) -> float:
     rate = res["bounds"][0]["sustained"][system]
     pts = res["points"][system]
     return min(pts, key=lambda p: abs(p["rate"] - rate))["time_avg_batch_size"]
+
+
+# ------------------------------------------------------------------ Figure 14: forks
+# The PagedAttention paper, Sec. 6.3 (OPT-13B, Alpaca): paged (vLLM) over Orca (Oracle)
+# "from 1.3x in basic sampling to 2.3x in beam search with a width of 6"; no other cell
+# of its Figure 14 has a number in the text. Memory saved by sharing: forks.PAPER_SAVINGS.
+PAPER_FORK_RATIOS = {("alpaca", "basic", 1): 1.3, ("alpaca", "beam", 6): 2.3}
+FORK_CELLS = (("basic", 1), ("parallel", 2), ("parallel", 4), ("parallel", 6),
+              ("beam", 2), ("beam", 4), ("beam", 6))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkServingSettings:
+    """What `scripts/sim_serving.py --figure14` runs (defaults: the published run).
+
+    Args:
+        datasets: traces to serve.
+        systems: "paged" (the ratios' numerator) and Orca policies; FasterTransformer
+            is not in the paper's Figure 14.
+        cells: (mode, width) pairs, serving_sim.FORK_MODES; ("basic", 1) is the
+            reference the paper's 1.3x refers to.
+        duration_s: simulated seconds of arrivals per rate (the driver then drains).
+        factor, other_factors: latency bounds, x the unloaded normalized latency.
+        rel_tol: the bisection stops when hi / lo <= 1 + rel_tol.
+        num_unloaded: requests served one at a time for the unloaded latency.
+        trace_requests: requests drawn per trace.
+        seed: trace seed (a beam search's synthetic candidates are seeded by it and the
+            request id).
+        max_num_seqs: sequences (samples / beams) a step may run, paged and Orca alike
+            (vLLM's default 256; raised in a sensitivity run to lift the cap off paged's
+            beams).
+    """
+
+    datasets: tuple[str, ...] = ("alpaca",)
+    systems: tuple[str, ...] = ("paged", "orca-oracle", "orca-pow2", "orca-max")
+    cells: tuple[tuple[str, int], ...] = FORK_CELLS
+    duration_s: float = 30.0
+    factor: float = 4.0
+    other_factors: tuple[float, ...] = (2.0, 8.0)
+    rel_tol: float = 0.08
+    num_unloaded: int = 100
+    trace_requests: dict = dataclasses.field(
+        default_factory=lambda: {"sharegpt": 6_000, "alpaca": 40_000}
+    )
+    seed: int = 0
+    max_num_seqs: int = sim.MAX_NUM_SEQS
+
+
+def _nearest(points: list[dict[str, Any]], rate: float) -> dict[str, Any]:
+    return min(points, key=lambda p: abs(p["rate"] - rate))
+
+
+def run_fork_study(
+    settings: ForkServingSettings = ForkServingSettings(),
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """Figure 14 on the simulated clock: per trace and (mode, width) cell, the sustained
+    rates by bisection at every bound, the ratios and paged's saving from sharing."""
+    from paged_jax.memory_study.forks import PAPER_SAVINGS
+
+    if "paged" not in settings.systems or "fastertransformer" in settings.systems:
+        raise ValueError(f"systems={settings.systems!r} must include 'paged', not FT")
+    model = sim.StepTimeModel()
+    out: dict[str, Any] = {
+        "settings": dataclasses.asdict(settings),
+        "model": model.constants(),
+        "kv_budget_bytes": sim.KV_BUDGET_BYTES,
+        "block_size": sim.BLOCK_SIZE,
+        "max_model_len": sim.MAX_MODEL_LEN,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": sim.MAX_NUM_BATCHED_TOKENS,
+        "beam_model": dataclasses.asdict(sim.BEAM_MODEL),
+        "paper_ratios_over_oracle": [
+            {"dataset": d, "mode": m, "width": w, "ratio": r}
+            for (d, m, w), r in PAPER_FORK_RATIOS.items()
+        ],
+        "paper_savings": [
+            {"mode": m, "dataset": d, "range": list(r)} for (m, d), r in PAPER_SAVINGS.items()
+        ],
+        "traces": {},
+    }
+    factors = (settings.factor, *settings.other_factors)
+    for dataset in settings.datasets:
+        trace = sim.make_trace(dataset, settings.trace_requests[dataset], seed=settings.seed)
+        cells = []
+        for mode, width in settings.cells:
+            t0 = time.perf_counter()
+            res = _study_trace(trace, model, settings, factors, progress,
+                               rel_tol=settings.rel_tol, mode=mode, width=width)  # fmt: skip
+            res.pop("runs")
+            main = res["bounds"][0]
+            at_sustained = {
+                s: _nearest(res["points"][s], main["sustained"][s]) for s in settings.systems
+            }
+            res.update(
+                mode=mode,
+                width=width,
+                paper_over_oracle=PAPER_FORK_RATIOS.get((dataset, mode, width)),
+                paper_saving=None if mode == "basic" else list(PAPER_SAVINGS[(mode, dataset)]),
+                paged_saving_at_sustained=at_sustained["paged"]["blocks_saved_by_sharing"],
+                batch_at_sustained={s: p["time_avg_batch_size"] for s, p in at_sustained.items()},
+                cell_wall_s=time.perf_counter() - t0,
+            )
+            cells.append(res)
+        out["traces"][dataset] = {
+            "cells": cells,
+            "mean_prompt_tokens": float(np.mean([r.num_prompt_tokens for r in trace.requests])),
+            "mean_output_tokens": float(np.mean([r.num_output_tokens for r in trace.requests])),
+        }
+    return out
+
+
+def plot_fork_latency(summary: dict[str, Any], path: Any, dataset: str = "alpaca") -> None:
+    """Figure 14 redrawn: one row per mode (parallel sampling, beam search), one panel per
+    width; mean normalized latency against rate for every system, 4x bound dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in summary["traces"][dataset]["cells"] if c["mode"] != "basic"]
+    modes = list(dict.fromkeys(c["mode"] for c in cells))
+    widths = sorted({c["width"] for c in cells})
+    fig, axes = plt.subplots(len(modes), len(widths), figsize=(4.3 * len(widths),
+                             3.6 * len(modes)), dpi=120, squeeze=False)  # fmt: skip
+    for c in cells:
+        ax = axes[modes.index(c["mode"]), widths.index(c["width"])]
+        main = c["bounds"][0]
+        cap = 2.5 * main["bound_s_per_token"]
+        for s, pts in c["points"].items():
+            color, marker, label = _STYLE.get(s, ("black", ".", s))
+            ax.plot([p["rate"] for p in pts],
+                    [min(p["mean_normalized_latency_s"], cap * 1.05) for p in pts],
+                    color=color, marker=marker, ms=3.5, lw=1.1,
+                    label=f"{label}: {main['sustained'][s]:.3g}")  # fmt: skip
+        ax.axhline(main["bound_s_per_token"], color="black", lw=0.8, ls="--")
+        ax.set_xscale("log")
+        ax.set_ylim(0, cap * 1.08)
+        name = "parallel size" if c["mode"] == "parallel" else "beam width"
+        ax.set_title(f"{dataset}, {name} {c['width']}", fontsize=9)
+        ax.set_xlabel("request rate (req/s, log)", fontsize=8)
+        ax.set_ylabel("normalized latency (s/token)", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, title=f"req/s at {main['factor']:g}x unloaded", title_fontsize=6)
+    fig.suptitle(
+        f"Figure 14 on the simulated clock: OPT-13B, A100-40GB, "
+        f"{summary['settings']['duration_s']:g}-s traces",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def fork_headline_table(summary: dict[str, Any]) -> str:
+    """One row per cell at the main bound: paged / Oracle beside the paper's, that ratio
+    over the same trace's basic-sampling ratio (the paper: 2.3 / 1.3 = 1.77 at beam
+    width 6), paged's batch against Oracle's and the blocks sharing saved."""
+    lines = [
+        "| trace | cell | paged / Oracle | / Pow2 | / Max | paged / Oracle over basic's "
+        "| paper paged / Oracle | batch paged / Oracle | paged blocks saved (paper) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dataset, res in summary["traces"].items():
+        basic = next((c for c in res["cells"] if c["mode"] == "basic"), None)
+        base = basic["bounds"][0]["paged_over"].get("orca-oracle") if basic else None
+        for c in res["cells"]:
+            over = c["bounds"][0]["paged_over"]
+            ratio = over.get("orca-oracle")
+            rel = "-" if ratio is None or not base else f"{ratio / base:.2f}"
+            cell = "basic" if c["mode"] == "basic" else f"{c['mode']} {c['width']}"
+            paper = "-" if c["paper_over_oracle"] is None else f"{c['paper_over_oracle']:g}x"
+            batch = c["batch_at_sustained"]
+            saved = f"{100 * c['paged_saving_at_sustained']:.1f}%"
+            if c["paper_saving"]:
+                saved += f" ({100 * c['paper_saving'][0]:.1f}-{100 * c['paper_saving'][1]:.1f}%)"
+            fmt = {s: "-" if over.get(s) is None else f"{over[s]:.2f}x"
+                   for s in ("orca-oracle", "orca-pow2", "orca-max")}  # fmt: skip
+            lines.append(
+                f"| {dataset} | {cell} | {fmt['orca-oracle']} | {fmt['orca-pow2']} | "
+                f"{fmt['orca-max']} | {rel} | {paper} | {batch['paged']:.1f} / "
+                f"{batch['orca-oracle']:.1f} | {saved} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def fork_markdown_tables(summary: dict[str, Any]) -> str:
+    """The headline table, then sustained rates and paged / Orca ratios per cell and
+    bound, beside the paper's."""
+    systems = summary["settings"]["systems"]
+    others = [s for s in systems if s != "paged"]
+    lines = [
+        fork_headline_table(summary),
+        "| trace | mode | n / width | bound | "
+        + " | ".join(f"{s} req/s" for s in systems)
+        + " | "
+        + " | ".join(f"paged / {s}" for s in others)
+        + " | paper paged / orca-oracle | paged blocks saved (paper) |",
+        "|" + "---|" * (4 + len(systems) + len(others) + 2),
+    ]
+    for dataset, res in summary["traces"].items():
+        for c in res["cells"]:
+            paper = "-" if c["paper_over_oracle"] is None else f"{c['paper_over_oracle']:g}x"
+            saved = f"{100 * c['paged_saving_at_sustained']:.1f}%"
+            if c["paper_saving"]:
+                lo, hi = c["paper_saving"]
+                saved += f" ({100 * lo:.1f}-{100 * hi:.1f}%)"
+            for i, b in enumerate(c["bounds"]):
+                rates = " | ".join(f"{b['sustained'][s]:.3g}" for s in systems)
+                ratios = " | ".join(
+                    "-" if b["paged_over"][s] is None else f"{b['paged_over'][s]:.2f}x"
+                    for s in others
+                )
+                tail = f" | {paper} | {saved} |" if i == 0 else " | | |"
+                lines.append(
+                    f"| {dataset} | {c['mode']} | {c['width']} | {b['factor']:g}x | {rates} | "
+                    f"{ratios}{tail}"
+                )
+    return "\n".join(lines) + "\n"
