@@ -936,8 +936,26 @@ class ReservationServer:
                 f"request {req.request_id!r} needs {req.num_prompt_tokens} + "
                 f"{req.num_output_tokens} tokens: must be <= max_model_len={self.max_model_len}"
             )
+        self._check_fits_alone(req)
         self.gate.append(req)
         self._admit()
+
+    def _check_fits_alone(self, req: TraceRequest) -> None:
+        """Refuses a request whose `copies` runs do not fit even in the empty space (a
+        buddy allocator rounds each run up to a power of two, and a budget that is not
+        one is split into root blocks that never merge): admitted later it would wait
+        forever at the head of the gate."""
+        from paged_jax.memory_study.allocators import make_space
+
+        size = self.reservation(req)
+        empty = make_space(self.placement, self.space.size)
+        if all(empty.alloc(size) is not None for _ in range(self.copies)):
+            return
+        raise ValueError(
+            f"request {req.request_id!r}: copies={self.copies} reservations of {size} slots "
+            f"do not fit in an empty {self.placement} space of budget_tokens="
+            f"{self.space.size}; expected a budget that holds them"
+        )
 
     def step(self) -> list[tuple[str, list[int]]]:
         assert self.inner.has_unfinished(), "a gated request waits on an empty space: a leak"

@@ -88,7 +88,13 @@ def test_online_beams_equal_offline_beam_search_and_orca_gate(system):
     # Behind an Orca gate of one beam's worth of room per request, requests run one at
     # a time and still give the same beams.
     gate = ReservationServer(
-        BeamSearchServer(system, width), "oracle", 45, 32, copies=width, extra_kv_tokens=1
+        BeamSearchServer(system, width),
+        "oracle",
+        45,
+        32,
+        copies=width,
+        extra_kv_tokens=1,
+        placement="first-fit",
     )
     gated = run_in_thread(lambda: serve(gate))
     assert gated.outputs == run.outputs and gated.max_running <= width + 1
@@ -133,15 +139,23 @@ def test_gate_reserves_one_run_per_copy_all_or_none():
 
         num_running = 0
 
-    # KV length 4 + 3 - 1 = 6 per copy: 2 copies hold 12 of 14 slots, so b waits.
-    inner = Instant()
-    gate = ReservationServer(inner, "oracle", 14, 8, copies=2)
-    gate.add(TraceRequest("a", (5,) * 4, 3))
-    gate.add(TraceRequest("b", (5,) * 4, 3))
-    assert inner.added == ["a"] and gate.space.num_allocated == 12
-    gate.step()
-    assert inner.added == ["a", "b"] and gate.space.num_allocated == 12
-    gate.step()
-    assert gate.space.num_allocated == 0
+    # KV length 4 + 3 - 1 = 6 per copy: first-fit, 2 copies hold 12 of 14 slots, so b
+    # waits; a buddy allocator rounds each copy to 8, so 2 copies hold 16 of 16.
+    for placement, budget, held in (("first-fit", 14, 12), ("buddy", 16, 16)):
+        inner = Instant()
+        gate = ReservationServer(inner, "oracle", budget, 8, copies=2, placement=placement)
+        gate.add(TraceRequest("a", (5,) * 4, 3))
+        gate.add(TraceRequest("b", (5,) * 4, 3))
+        assert inner.added == ["a"] and gate.space.num_allocated == held, placement
+        gate.step()
+        assert inner.added == ["a", "b"] and gate.space.num_allocated == held, placement
+        gate.step()
+        assert gate.space.num_allocated == 0
+    # Under buddy, 14 slots are roots of 8, 4 and 2 that never merge: two 8-slot copies
+    # never fit, so the request is refused when added instead of waiting forever.
+    gate = ReservationServer(Instant(), "oracle", 14, 8, copies=2)
+    with pytest.raises(ValueError, match="copies=2 reservations of 6 slots do not fit"):
+        gate.add(TraceRequest("c", (5,) * 4, 3))
+    assert not gate.has_unfinished()
     with pytest.raises(ValueError, match="copies=0 must be an int >= 1"):
         ReservationServer(inner, "oracle", 14, 8, copies=0)
