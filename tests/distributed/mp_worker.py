@@ -28,7 +28,9 @@ def main() -> int:
     args = p.parse_args()
     # Set here, not at import: the test imports this module for its constants, and its
     # environment must stay the suite's (other tests' subprocesses inherit it).
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    )
 
     from paged_jax import LLM, SamplingParams
 

@@ -55,7 +55,10 @@ def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None, devices=2)
     cmd += ["--tensor-parallel-size", str(2 * devices)]
     cmd += ["--coordinator-address", f"127.0.0.1:{port}"]
     cmd += ["--num-processes", "2", "--process-id", str(rank), *extra]
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
+    )
     log = tmp / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(

@@ -46,7 +46,10 @@ def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path)
     other = tmp_path / "other.txt"  # process 1's own file: 64 longer lines
     other.write_text("".join(f"a longer prompt about paged attention {i}\n" for i in range(64)))
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+    )
     procs, logs = [], []
     for rank in (0, 1):
         extra = ["--tensor-parallel-size", "4", "--coordinator-address", f"127.0.0.1:{port}"]

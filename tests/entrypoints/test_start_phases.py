@@ -97,7 +97,7 @@ print(json.dumps({
 def _fresh(mode: str, model_dir, cache, tp: int = 1) -> dict:
     env = dict(os.environ)
     if tp > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={tp}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}"
     cmd = [sys.executable, "-c", SCRIPT, mode, str(model_dir), str(cache), str(tp)]
     # timeout: a hang guard only (minutes on a loaded 2-core machine are fine).
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)

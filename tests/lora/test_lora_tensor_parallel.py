@@ -35,7 +35,10 @@ def test_lora_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
         ),
         build_tiny_peft_adapter(base, tmp_path / "a4", rank=4, seed=8),
     ]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+    )
     script = pathlib.Path(__file__).with_name("tp_lora_run.py")
     args = [
         sys.executable,
