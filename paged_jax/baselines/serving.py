@@ -913,18 +913,25 @@ class ReservationServer:
         )
         return cdiv(size, self.granularity) * self.granularity
 
+    def _place_copies(self, space: Any, size: int) -> list[int] | None:
+        """One run of `size` slots per sample / beam in `space`, all or none: their
+        starts, or None with the space as it was."""
+        starts = []
+        for _ in range(self.copies):
+            start = space.alloc(size)
+            if start is None:
+                for s in starts:
+                    space.free(s)
+                return None
+            starts.append(start)
+        return starts
+
     def _admit(self) -> None:
         while self.gate:
-            size = self.reservation(self.gate[0])
-            starts = []
-            for _ in range(self.copies):  # one run per sample / beam, all or none
-                start = self.space.alloc(size)
-                if start is None:
-                    for s in starts:
-                        self.space.free(s)
-                    self.max_reserved = max(self.max_reserved, self.space.num_allocated)
-                    return  # head-of-line blocking
-                starts.append(start)
+            starts = self._place_copies(self.space, self.reservation(self.gate[0]))
+            if starts is None:
+                self.max_reserved = max(self.max_reserved, self.space.num_allocated)
+                return  # head-of-line blocking
             req = self.gate.popleft()
             self.starts[req.request_id] = starts
             self.inner.add(req)
@@ -948,8 +955,7 @@ class ReservationServer:
         from paged_jax.memory_study.allocators import make_space
 
         size = self.reservation(req)
-        empty = make_space(self.placement, self.space.size)
-        if all(empty.alloc(size) is not None for _ in range(self.copies)):
+        if self._place_copies(make_space(self.placement, self.space.size), size) is not None:
             return
         raise ValueError(
             f"request {req.request_id!r}: copies={self.copies} reservations of {size} slots "
