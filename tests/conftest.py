@@ -112,25 +112,6 @@ def _has_legacy_cpu_emitters() -> bool:
 _set_test_xla_opt_level()
 
 
-def _legacy_cpu_emitters_on() -> bool:
-    return LEGACY_CPU_EMITTERS_FLAG in os.environ.get("XLA_FLAGS", "")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under the legacy CPU emitters, tests marked xla_default_cpu_codegen skip with why."""
-    if not _legacy_cpu_emitters_on():
-        return
-    skip = pytest.mark.skip(
-        reason=(
-            f"compares bits across batch shapes, which XLA's legacy CPU emitters "
-            f"({LEGACY_CPU_EMITTERS_FLAG}, the suite's faster default on jaxlib < 0.11) do not "
-            f"keep: run with {TEST_CPU_EMITTERS_ENV}=default (scripts/test.sh's second pass)"
-        )
-    )
-    for item in items:
-        if item.get_closest_marker(DEFAULT_CODEGEN_MARKER) is not None:
-            item.add_marker(skip)
-
 from paged_jax.compile_cache import default_cache_root  # noqa: E402
 from paged_jax.testing.tiny_models import build_tiny_hf_checkpoint  # noqa: E402
 
@@ -185,6 +166,26 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"{len(slowest)} most CPU seconds (all: {total:.1f} s)")
     for nodeid, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.2f}s cpu  {nodeid}")
+
+
+def _legacy_cpu_emitters_on() -> bool:
+    return LEGACY_CPU_EMITTERS_FLAG in os.environ.get("XLA_FLAGS", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under the legacy CPU emitters, tests marked xla_default_cpu_codegen skip with why."""
+    if not _legacy_cpu_emitters_on():
+        return
+    skip = pytest.mark.skip(
+        reason=(
+            f"compares bits across batch shapes, which XLA's legacy CPU emitters "
+            f"({LEGACY_CPU_EMITTERS_FLAG}, the suite's faster default on jaxlib < 0.11) do not "
+            f"keep: run with {TEST_CPU_EMITTERS_ENV}=default (scripts/test.sh's second pass)"
+        )
+    )
+    for item in items:
+        if item.get_closest_marker(DEFAULT_CODEGEN_MARKER) is not None:
+            item.add_marker(skip)
 
 
 def shared_xla_cache_dir() -> pathlib.Path | None:
