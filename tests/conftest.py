@@ -73,7 +73,7 @@ def _set_test_xla_opt_level() -> None:
             "level (0-3)"
         )
     extra = f" --xla_backend_optimization_level={level}"
-    emitters = os.environ.get(TEST_CPU_EMITTERS_ENV, "legacy")
+    emitters = os.environ.get(TEST_CPU_EMITTERS_ENV, "default")
     if emitters not in ("legacy", "default"):
         raise ValueError(f"{TEST_CPU_EMITTERS_ENV}={emitters!r} must be 'legacy' or 'default'")
     if level == "0" and emitters == "legacy" and _has_legacy_cpu_emitters():
@@ -81,14 +81,16 @@ def _set_test_xla_opt_level() -> None:
     os.environ["XLA_FLAGS"] = f"{flags}{extra}".strip()
 
 
-# With level 0, XLA's CPU backend up to jaxlib 0.10 also takes its element-wise fusion
-# emitters instead of the MLIR-based ones, which cost more to compile than these programs
-# run: tests/engine/test_engine_hf.py, one process, cold: 93.4 -> 64.4 CPU s (docs/ci.md).
+# PAGED_JAX_TEST_CPU_EMITTERS=legacy (scripts/test.sh's main pass sets it): with level 0,
+# XLA's CPU backend up to jaxlib 0.10 also takes its element-wise fusion emitters instead
+# of the MLIR-based ones, which cost more to compile than these programs run:
+# tests/engine/test_engine_hf.py, one process, cold: 93.4 -> 64.4 CPU s (docs/ci.md).
 # jaxlib 0.11 removed the flag (XLA refuses unknown flags), so it is set only below that.
-# Those emitters round some reductions differently from one batch shape to the next, so
-# the tests that compare bits across batch shapes (marker xla_default_cpu_codegen: the
-# batch-invariant mode) skip under them, saying so, and scripts/test.sh runs them in a
-# second pass with PAGED_JAX_TEST_CPU_EMITTERS=default (XLA's own emitters).
+# Those emitters do not keep the batch-invariant mode's bits from one batch composition
+# to the next, and gave one Gemma 2 prompt-logprob rank transformers' logprobs rule out,
+# so those tests (marker xla_default_cpu_codegen) skip under them, saying so, and
+# scripts/test.sh runs them in a second pass under XLA's own emitters. A plain `pytest`
+# keeps XLA's own emitters ("default").
 LEGACY_CPU_EMITTERS_FLAG = "--xla_cpu_use_fusion_emitters=false"
 TEST_CPU_EMITTERS_ENV = "PAGED_JAX_TEST_CPU_EMITTERS"
 DEFAULT_CODEGEN_MARKER = "xla_default_cpu_codegen"
@@ -178,9 +180,9 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(
         reason=(
-            f"compares bits across batch shapes, which XLA's legacy CPU emitters "
-            f"({LEGACY_CPU_EMITTERS_FLAG}, the suite's faster default on jaxlib < 0.11) do not "
-            f"keep: run with {TEST_CPU_EMITTERS_ENV}=default (scripts/test.sh's second pass)"
+            f"checks what XLA's legacy CPU emitters do not keep (batch-invariant bits, a "
+            f"rank; {TEST_CPU_EMITTERS_ENV}=legacy: {LEGACY_CPU_EMITTERS_FLAG}); "
+            f"runs with XLA's own emitters (scripts/test.sh's second pass, or plain pytest)"
         )
     )
     for item in items:
