@@ -36,8 +36,8 @@ if ! ready; then
     echo "device_venv: creating $VENV with $py312" >&2
     "$py312" -m venv "$VENV"
   fi
-  "$py" -m pip install --quiet --disable-pip-version-check "${PACKAGES[@]}" >&2
-  "$py" -m pip install --quiet --disable-pip-version-check --no-deps -e . >&2
+  "$py" -m pip install --quiet --no-compile --disable-pip-version-check "${PACKAGES[@]}" >&2
+  "$py" -m pip install --quiet --no-compile --disable-pip-version-check --no-deps -e . >&2
   ready || { echo "device_venv: $VENV is incomplete after installing" >&2; exit 1; }
 fi
 echo "$py"

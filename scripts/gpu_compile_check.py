@@ -431,9 +431,10 @@ def grid_ci() -> list[Case]:
 
 # --grid smoke: the second toolchain's CI grid, a few of --grid ci's cases (CI's 35-minute
 # budget; the GPU machine's toolchain, CUDA 13, compiles --grid ci whole). One case of each
-# kernel at the Llama-3-8B heads, the fp8 ragged mix, the Llama-3-8B mixed step at full depth
-# (32 scanned layers: ragged attention and write_kv inside one jitted step, the KV pool
-# aliased, temporaries under 5% of the deployment's pool) and the oversized probe. Under
+# kernel at the Llama-3-8B heads, the fp8 ragged mix, the two-layer Llama-3-8B mixed step
+# (ragged attention and write_kv inside one jitted step, the KV pool aliased; the 32-layer
+# step's deployment fit is judged under CUDA 13, where it is 45 s of one core more) and
+# the oversized probe. Under
 # the same venv the newest-jax test stage also compiles tests/pallas_kernels/
 # test_gpu_compile_check.py's toolchain cases (head_dim 64 and 80 decode, copy_blocks, the
 # Mosaic decode, the tiny MoE step).
@@ -443,7 +444,7 @@ SMOKE_CASES = (
     "ragged-e4m3-d128-g4-bs16-b64x4k-pf256+194",
     "write_kv-bf16-d128-g4-bs16-n512",
     "copy_blocks-bf16-d128-g4-bs16-n64",
-    "step-llama8b-32l-mixed-t512-s64",
+    "step-llama8b-mixed-t512-s64",
     "probe-decode-f32-d256-g4-bs16-b8x32k-bk1024",
 )
 

@@ -30,7 +30,7 @@ if [ $# -eq 0 ]; then
 fi
 source scripts/python312.sh gpu_compile_check
 pip_install() {
-  "$1" -m pip install --quiet --disable-pip-version-check "${@:2}"
+  "$1" -m pip install --quiet --no-compile --disable-pip-version-check "${@:2}"
 }
 
 run() {  # run TOOLCHAIN SCRIPT_ARGS...: installs that toolchain into its venv, runs the check

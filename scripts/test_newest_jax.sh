@@ -13,7 +13,7 @@ if [ ! -x .venv312/bin/python ]; then
   "$py312" -m venv .venv312
 fi
 # --upgrade-strategy eager: the newest jax/jaxlib/flax inside pyproject's bounds.
-.venv312/bin/python -m pip install --quiet --disable-pip-version-check \
+.venv312/bin/python -m pip install --quiet --no-compile --disable-pip-version-check \
   --upgrade --upgrade-strategy eager -e '.[test-base]'
 .venv312/bin/python -c 'import sys, jax, flax; print(f"test_newest_jax: Python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
 # CPU only: this venv may also hold the CUDA plugin of scripts/gpu_compile_check.sh, which

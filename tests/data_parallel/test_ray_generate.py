@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("ray.data", reason="needs Ray Data: pip install 'paged-jax[ray]'")
+# Replicas compare bits with the one-process run (batch invariance): XLA's own CPU emitters.
+pytestmark = pytest.mark.xla_default_cpu_codegen
 
 from paged_jax.entrypoints.generate_cli import main as generate_main  # noqa: E402
 from paged_jax.entrypoints.hidden_state_files import decode_hidden_states  # noqa: E402

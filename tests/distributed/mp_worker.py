@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from paged_jax.testing.cpu_devices import xla_flags_with_cpu_devices
+
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18, 19, 20, 21, 22, 23], [24]]
 MAX_TOKENS = 12
 
@@ -28,9 +30,7 @@ def main() -> int:
     args = p.parse_args()
     # Set here, not at import: the test imports this module for its constants, and its
     # environment must stay the suite's (other tests' subprocesses inherit it).
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    )
+    os.environ["XLA_FLAGS"] = xla_flags_with_cpu_devices(os.environ.get("XLA_FLAGS", ""), 2)
 
     from paged_jax import LLM, SamplingParams
 

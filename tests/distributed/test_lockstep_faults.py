@@ -16,7 +16,6 @@ would block CI), and no test asserts how long anything took.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import sys
 import time
 
 import pytest
+
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 # Hang guards, not speed limits: two engine processes start, compile and run in minutes
 # on a loaded 2-core machine.
@@ -55,10 +56,7 @@ def _start(model_dir, tmp, rank, port, *extra, name=None, lines=None, devices=2)
     cmd += ["--tensor-parallel-size", str(2 * devices)]
     cmd += ["--coordinator-address", f"127.0.0.1:{port}"]
     cmd += ["--num-processes", "2", "--process-id", str(rank), *extra]
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}",
-    )
+    env = env_with_cpu_devices(devices)
     log = tmp / f"{name}.log"
     with log.open("w") as f:
         proc = subprocess.Popen(

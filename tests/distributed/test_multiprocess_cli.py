@@ -10,10 +10,11 @@ own file and both died in mismatched collectives (issue 38 item 3).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
+
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 PROMPTS = ["the cat sat", "on a mat", "paged attention", "x"]
 
@@ -46,10 +47,7 @@ def test_two_process_cli_writes_once_and_equals_one_process(model_dir, tmp_path)
     other = tmp_path / "other.txt"  # process 1's own file: 64 longer lines
     other.write_text("".join(f"a longer prompt about paged attention {i}\n" for i in range(64)))
     port = _free_port()
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-    )
+    env = env_with_cpu_devices(2)
     procs, logs = [], []
     for rank in (0, 1):
         extra = ["--tensor-parallel-size", "4", "--coordinator-address", f"127.0.0.1:{port}"]

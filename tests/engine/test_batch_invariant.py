@@ -23,6 +23,9 @@ from paged_jax.entrypoints.generate_cli import build_parser, engine_args_from_ar
 from paged_jax.models.batch_invariant import ROW_TILE, map_row_tiles, row_tiled_dot_general
 from paged_jax.worker.executable_cache import program_context
 
+# Bits compared across batch shapes: XLA's own CPU emitters (tests/conftest.py).
+pytestmark = pytest.mark.xla_default_cpu_codegen
+
 ENGINE = dict(
     dtype="float32",
     block_size=4,

@@ -81,6 +81,9 @@ def chunked_llms(tiny_hf_checkpoint):
     return get
 
 
+# XLA's own CPU emitters (tests/conftest.py): under the legacy ones, Gemma 2's rank of one
+# prompt token came out 118 where transformers' logprobs allow another (docs/ci.md).
+@pytest.mark.xla_default_cpu_codegen
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: soft-capped logits, windows
 def test_prompt_logprobs_equal_transformers_under_chunked_prefill(chunked_llms, hf_logits, family):
     llm, path = chunked_llms(family)

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from paged_jax.entrypoints.generate_cli import main as generate_main
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 ENGINE = ["--block-size", "4", "--max-num-seqs", "8", "--max-num-batched-tokens", "32"]
 ENGINE += ["--max-model-len", "64", "--max-tokens", "3"]
@@ -95,9 +96,7 @@ print(json.dumps({
 
 
 def _fresh(mode: str, model_dir, cache, tp: int = 1) -> dict:
-    env = dict(os.environ)
-    if tp > 1:
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={tp}"
+    env = env_with_cpu_devices(tp) if tp > 1 else dict(os.environ)
     cmd = [sys.executable, "-c", SCRIPT, mode, str(model_dir), str(cache), str(tp)]
     # timeout: a hang guard only (minutes on a loaded 2-core machine are fine).
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)

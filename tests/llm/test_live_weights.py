@@ -17,6 +17,7 @@ from flax import nnx
 from paged_jax import LLM, SamplingParams
 from paged_jax.models import load_model
 from paged_jax.models.loader import params_from_named_tensors
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 from paged_jax.worker.live_weights import flat_weights, live_bytes
 from tests.conftest import SMALL_LLM
 
@@ -344,17 +345,13 @@ json.dump(dict(
 
 def test_load_weights_and_sleep_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
     import json
-    import os
     import subprocess
     import sys
 
     from safetensors.numpy import load_file
 
     path = tiny_hf_checkpoint("llama")  # 4 heads, 2 KV heads of 16
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-    ).strip()
+    env = env_with_cpu_devices(4, cpu_only=True)
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, "-c", TP_SCRIPT, str(path), str(out)],

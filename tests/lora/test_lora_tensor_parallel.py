@@ -6,7 +6,6 @@ peft. One subprocess (jax fixes the CPU device count at start-up)."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 
 pytest.importorskip("peft", reason="needs peft (the parity oracle)")
 
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 from paged_jax.testing.tiny_lora import (  # noqa: E402
     ALL_LINEAR_TARGETS,
     build_tiny_peft_adapter,
@@ -35,10 +35,7 @@ def test_lora_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
         ),
         build_tiny_peft_adapter(base, tmp_path / "a4", rank=4, seed=8),
     ]
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
-    )
+    env = env_with_cpu_devices(4)
     script = pathlib.Path(__file__).with_name("tp_lora_run.py")
     args = [
         sys.executable,

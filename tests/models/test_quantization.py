@@ -8,7 +8,6 @@ written in the issue (not from the code under test).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from paged_jax.models.quantization import (
     quantize_columns,
     quantized_matmul,
 )
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 IDS = np.array([[1, 5, 9, 20, 33, 7, 64, 100], [3, 3, 90, 12, 4, 77, 18, 2]], np.int32)
 # The projections the rule quantizes in a Llama-style decoder layer.
@@ -283,11 +283,7 @@ print(json.dumps({"specs": specs, "diff": diff, "moe_diff": moe_diff, "embed_dif
 
 def test_scales_shard_with_their_weights(tiny_hf_checkpoint):
     path, moe_path = tiny_hf_checkpoint("llama"), tiny_hf_checkpoint("qwen3_moe")
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = env_with_cpu_devices(2, cpu_only=True)
     done = subprocess.run(
         [sys.executable, "-c", _TP_SCRIPT, str(path), str(moe_path), json.dumps(IDS.tolist())],
         env=env,
@@ -341,11 +337,7 @@ def test_engine_serves_8bit_weights_with_tensor_parallelism(
         ["int8", str(tiny_hf_checkpoint("llama")), {"quantization": "int8"}],
         ["fp8block_moe", str(block_fp8_moe_checkpoint[0]), {}],
     ]
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = env_with_cpu_devices(2, cpu_only=True)
     done = subprocess.run(
         [sys.executable, "-c", _ENGINE_TP_SCRIPT, json.dumps(cases)],
         env=env,
@@ -545,11 +537,7 @@ def test_layer_of_block_scaled_expert_stack_equals_its_slice():
     """A block-wise QuantizedExpertWeight bound to a layer of whole stacks (what a layer
     scan passes, ExpertStackLayer) gives exactly what that layer's slice gives, on one
     device and with its experts split over two (int8 codes, 16 x 16 block scales)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
-    )
-    env["JAX_PLATFORMS"] = "cpu"
+    env = env_with_cpu_devices(2, cpu_only=True)
     done = subprocess.run(
         [sys.executable, "-c", _LAYER_OF_STACK_SCRIPT],
         env=env,

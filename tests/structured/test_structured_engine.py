@@ -7,7 +7,6 @@ the BPE's multi-character tokens make constraints cross token boundaries.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,6 +17,7 @@ import pytest
 from paged_jax import LLM, SamplingParams
 from paged_jax.structured_outputs import StructuredOutputsParams
 from paged_jax.testing.bpe_tokenizer import structured_corpus, train_byte_level_bpe
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 pytest.importorskip("llguidance", reason="needs the grammar library (pip install '.[structured]')")
 
@@ -213,10 +213,7 @@ def _tp_main(path: str, out: str) -> None:
 def test_greedy_constrained_outputs_equal_at_tensor_parallel_2(llms, checkpoint, tmp_path):
     prompts, params = _batch()
     want = [o.outputs[0].token_ids for o in llms["sync"].generate(prompts, params)]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
+    env = env_with_cpu_devices(2, cpu_only=True)
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, __file__, str(checkpoint), str(out)],

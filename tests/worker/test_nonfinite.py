@@ -12,7 +12,6 @@ embedding row and runs in a subprocess on two forced CPU devices.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from paged_jax.config import EngineConfig
 from paged_jax.constants import NONFINITE_TOKEN_ID
 from paged_jax.core.scheduler_output import ScheduledSeq
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 from paged_jax.testing.fake_model import SumModel, SumModelConfig
 from paged_jax.worker.input_batch import InputBatch
 from paged_jax.worker.runner import Runner, StepResult, num_backend_compiles
@@ -185,10 +185,7 @@ def _tp_main(checkpoint: str, out: str) -> None:
 def test_flag_works_under_tensor_parallelism(tiny_hf_checkpoint, tmp_path):
     src = tiny_hf_checkpoint("llama", tie_word_embeddings=False)
     _poison_embedding_row(src, tmp_path / "model", BAD)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
-    ).strip()
+    env = env_with_cpu_devices(2, cpu_only=True)
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, __file__, str(tmp_path / "model"), str(out)],

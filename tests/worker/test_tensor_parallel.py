@@ -11,13 +11,14 @@ prompts that share a 3-block prefix (prefix caching), so each checks those under
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 from flax import nnx
+
+from paged_jax.testing.cpu_devices import env_with_cpu_devices
 
 MAX_NEW = 8
 ENGINE = dict(
@@ -146,10 +147,7 @@ def results(checkpoints, prompts, tmp_path_factory):
     )
     tmp = tmp_path_factory.mktemp("tp")
     (tmp / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    ).strip()
+    env = env_with_cpu_devices(8, cpu_only=True)
     proc = subprocess.run(
         [sys.executable, "-m", "paged_jax.testing.tp_checks", tmp / "spec.json", tmp / "out.json"],
         env=env,
